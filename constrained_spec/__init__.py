@@ -1,0 +1,32 @@
+"""constrained_spec: fast, exact structured output from a speculative decoder with one shared constraint.
+
+Data flow: constraint -> drafters -> verifier -> decoder -> api -> cli.
+"""
+
+from .api import DEFAULT_K_MAX, SpecOptions, generate_json, generate_regex, validate_json_output
+from .constraint import Constraint, TokenVocabulary, compile_regex, load_schema, schema_to_regex
+from .decoder import DecodeResult, DecodeStats, FixedK, SpeculativeDecoder, decode
+from .drafters import Draft, Drafter, LookupDrafter, ModelDrafter
+from .errors import (
+    ConstrainedSpecError,
+    InvalidPromptError,
+    InvalidRegexError,
+    InvalidSchemaError,
+    ModelLoadError,
+    OutputValidationError,
+    TokenizerMismatchError,
+    TokenLimitError,
+    UnsupportedSchemaFeatureError,
+)
+from .models import ModelHandle, load_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_K_MAX", "Constraint", "ConstrainedSpecError", "DecodeResult", "DecodeStats", "Draft", "Drafter",
+    "FixedK", "InvalidPromptError", "InvalidRegexError", "InvalidSchemaError", "LookupDrafter", "ModelDrafter",
+    "ModelHandle", "ModelLoadError", "OutputValidationError", "SpecOptions", "SpeculativeDecoder",
+    "TokenLimitError", "TokenVocabulary", "TokenizerMismatchError", "UnsupportedSchemaFeatureError",
+    "compile_regex", "decode", "generate_json", "generate_regex", "load_model", "load_schema",
+    "schema_to_regex", "validate_json_output",
+]

@@ -1,0 +1,233 @@
+"""The public entry points: ``generate_json`` and ``generate_regex``.
+
+Everything is validated before decoding starts (schema, pattern, prompt, draft tokenizer,
+options), so bad input raises a clear error and leaves nothing half-done.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, compile_regex, load_schema, schema_to_regex
+from .decoder import DecodeStats, decode
+from .drafters import Drafter, LookupDrafter, ModelDrafter
+from .errors import InvalidPromptError, OutputValidationError, TokenLimitError
+from .models import ModelHandle, check_same_tokenizer, resolve_model
+
+DrafterName = Literal["none", "model", "lookup", "auto"]
+
+#: Default K_max per drafter on this CPU: a target forward costs about the same for 1 or 10
+#: tokens, so a free deterministic draft may be long; a model draft pays per token.
+DEFAULT_K_MAX = {"lookup": 8, "model": 4, "none": 0}
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """Speculation options, validated once."""
+
+    drafter: str
+    k_max: int
+    temperature: float
+    seed: int | None
+    max_new_tokens: int
+
+    @staticmethod
+    def build(drafter: str, draft: Any, k_max: int | None, temperature: float, seed: int | None, max_new_tokens: int) -> "SpecOptions":
+        """Resolve ``auto`` and defaults; raise ``ValueError`` naming the bad option."""
+        if drafter not in ("none", "model", "lookup", "auto"):
+            raise ValueError(f"Invalid drafter: expected one of 'none', 'model', 'lookup', 'auto', got {drafter!r}.")
+        if drafter == "model" and draft is None:
+            raise ValueError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='lookup'.")
+        if drafter == "auto":
+            drafter = "model" if draft is not None else "lookup"
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"Invalid max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}.")
+        if k_max is None:
+            k_max = DEFAULT_K_MAX[drafter]
+        if not isinstance(k_max, int) or k_max < 0:
+            raise ValueError(f"Invalid k_max: expected an integer >= 0, got {k_max!r}.")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"Invalid temperature: expected a number >= 0, got {temperature!r}.")
+        return SpecOptions(drafter, k_max, float(temperature), seed, max_new_tokens)
+
+
+def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
+    """Token ids of ``prompt``, through the model's chat template when it has one."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InvalidPromptError(f"Invalid prompt: expected a non-empty string, got {prompt!r}.")
+    tok = handle.tokenizer
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tok(prompt)["input_ids"]
+    ctx = handle.context_length
+    if ctx is not None and len(ids) >= ctx:
+        raise InvalidPromptError(
+            f"Invalid prompt: {len(ids)} tokens do not fit the model's context of {ctx} tokens. Shorten the prompt."
+        )
+    return list(ids)
+
+
+def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint: Constraint) -> Drafter | None:
+    if opts.drafter == "lookup":
+        return LookupDrafter(constraint)
+    if opts.drafter == "model":
+        draft_handle = resolve_model(draft, role="draft")
+        check_same_tokenizer(target, draft_handle)
+        return ModelDrafter(draft_handle.model, constraint, temperature=opts.temperature)
+    return None
+
+
+def _run(
+    model: Any,
+    constraint_for: Any,
+    prompt: str,
+    *,
+    draft: Any,
+    drafter: str,
+    temperature: float,
+    seed: int | None,
+    max_new_tokens: int,
+    k_max: int | None,
+) -> tuple[str, DecodeStats]:
+    """Validate everything, compile, decode; the text and the stats, or a clear error."""
+    opts = SpecOptions.build(drafter, draft, k_max, temperature, seed, max_new_tokens)
+    handle = resolve_model(model)
+    constraint = constraint_for(handle)
+    prompt_ids = encode_prompt(handle, prompt)
+    spec_drafter = _make_drafter(opts, handle, draft, constraint)
+    result = decode(
+        handle.model,
+        constraint,
+        prompt_ids,
+        drafter=spec_drafter,
+        k=opts.k_max,
+        temperature=opts.temperature,
+        seed=opts.seed,
+        max_new_tokens=opts.max_new_tokens,
+    )
+    text = handle.tokenizer.decode(result.tokens, skip_special_tokens=False)
+    if not result.finished:
+        raise TokenLimitError(text, opts.max_new_tokens)
+    return text, result.stats
+
+
+def generate_json(
+    model: Any,
+    schema: Any,
+    prompt: str,
+    *,
+    draft: Any = None,
+    drafter: DrafterName = "auto",
+    temperature: float = 0.0,
+    seed: int | None = None,
+    max_new_tokens: int = 512,
+    k_max: int | None = None,
+    whitespace: str = DEFAULT_JSON_WHITESPACE,
+    return_stats: bool = False,
+) -> Any:
+    """Generate a JSON value that validates against ``schema``.
+
+    Args:
+        model: a ``ModelHandle``, a model id or local path, a ``(model, tokenizer)`` pair, or
+            None for the embedded SmolLM2-135M-Instruct.
+        schema: a JSON schema (dict, JSON text or file path) or a pydantic model class.
+        prompt: the user message; it goes through the model's chat template when it has one.
+            The schema is not added to it: say in the prompt what to extract.
+        draft: the draft model for ``drafter="model"`` (same forms as ``model``).
+        drafter: "none" (target-only), "model", "lookup" (prompt lookup) or "auto" (model
+            when a draft is given, else lookup).
+        temperature: 0 for greedy; above 0, exact sampling from the masked target distribution.
+        seed: makes sampling reproducible.
+        max_new_tokens: the generation limit; reaching it first raises ``TokenLimitError``
+            carrying the partial text.
+        k_max: the draft length K (default per drafter, see ``DEFAULT_K_MAX``).
+        whitespace: regex of the whitespace allowed at each structural point.
+        return_stats: also return a ``DecodeStats``.
+
+    Returns:
+        The parsed value (a pydantic instance when ``schema`` is a pydantic class), or
+        ``(value, stats)`` with ``return_stats=True``.
+    """
+    schema_dict, model_cls = load_schema(schema)
+    regex = schema_to_regex(schema_dict, whitespace)
+    text, stats = _run(
+        model,
+        lambda h: compile_regex(regex, h.vocabulary),
+        prompt,
+        draft=draft,
+        drafter=drafter,
+        temperature=temperature,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        k_max=k_max,
+    )
+    value = validate_json_output(text, schema_dict, model_cls)
+    return (value, stats) if return_stats else value
+
+
+def validate_json_output(text: str, schema: dict, model_cls: type | None = None) -> Any:
+    """Parse and validate generated JSON against the original schema; never returns an invalid value."""
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OutputValidationError(text, f"not JSON ({e})") from None
+    errors = sorted(jsonschema.validators.validator_for(schema)(schema).iter_errors(value), key=lambda e: list(e.path))
+    if errors:
+        where = "/" + "/".join(str(p) for p in errors[0].absolute_path)
+        raise OutputValidationError(text, f"at {where}: {errors[0].message}")
+    if model_cls is not None:
+        from pydantic import ValidationError
+
+        try:
+            return model_cls.model_validate(value)
+        except ValidationError as e:
+            raise OutputValidationError(text, str(e).splitlines()[0]) from None
+    return value
+
+
+def generate_regex(
+    model: Any,
+    pattern: str,
+    prompt: str,
+    *,
+    draft: Any = None,
+    drafter: DrafterName = "auto",
+    temperature: float = 0.0,
+    seed: int | None = None,
+    max_new_tokens: int = 512,
+    k_max: int | None = None,
+    return_stats: bool = False,
+) -> Any:
+    """Generate a string that fully matches ``pattern``; options as in ``generate_json``.
+
+    Returns the string, or ``(string, stats)`` with ``return_stats=True``.
+    """
+    from .errors import InvalidRegexError
+
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidRegexError(f"Invalid regex: expected a non-empty string, got {pattern!r}.")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise InvalidRegexError(f"Invalid regex {pattern!r}: {e}.") from None
+    text, stats = _run(
+        model,
+        lambda h: compile_regex(pattern, h.vocabulary),
+        prompt,
+        draft=draft,
+        drafter=drafter,
+        temperature=temperature,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        k_max=k_max,
+    )
+    if not compiled.fullmatch(text):
+        raise OutputValidationError(text, f"does not fully match {pattern!r}")
+    return (text, stats) if return_stats else text

@@ -1,0 +1,257 @@
+"""The speculative decoder: draft, verify in one target forward, roll back to the accepted prefix.
+
+Target-only constrained decoding is the same loop with K = 0, so the baseline and the fast
+path share every line that could make them differ.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol
+
+import torch
+from transformers import DynamicCache
+
+from .constraint import Constraint, apply_mask
+from .drafters import Draft, Drafter
+from .errors import InvalidPromptError
+from .verifier import masked_probs, verify_greedy, verify_sampled
+
+
+class KPolicy(Protocol):
+    """Chooses the draft length K of each step."""
+
+    def next_k(self) -> int:
+        """K for the next step (0 means plain decoding)."""
+
+    def update(self, accepted: int, proposed: int) -> None:
+        """Learn from the last step."""
+
+
+@dataclass
+class FixedK:
+    """The baseline policy: always the same K."""
+
+    k: int
+
+    def next_k(self) -> int:
+        """Always ``k``."""
+        return self.k
+
+    def update(self, accepted: int, proposed: int) -> None:
+        """Nothing to learn."""
+
+
+@dataclass
+class DecodeStats:
+    """Figures of one generation. ``dataclasses.asdict`` gives a JSON-ready dict.
+
+    Times are wall-clock seconds; ``constraint_seconds`` counts masking and FSM walks in the
+    verifier's path (a drafter's own FSM walks are inside ``draft_seconds``).
+    """
+
+    drafter: str = "none"
+    k_max: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0
+    ks: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    constraint_seconds: float = 0.0
+    total_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    forwards_per_token: float = 0.0
+    finished: bool = False
+
+    def finish(self) -> None:
+        """Fill the derived ratios."""
+        self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
+        decode_s = self.total_seconds - self.prefill_seconds
+        self.tokens_per_second = self.output_tokens / decode_s if decode_s > 0 else 0.0
+        self.forwards_per_token = self.target_forwards / self.output_tokens if self.output_tokens else 0.0
+
+
+@dataclass
+class DecodeResult:
+    """Token ids generated (EOS not included), whether the constraint was satisfied, and stats."""
+
+    tokens: list[int]
+    finished: bool
+    stats: DecodeStats
+
+
+class SpeculativeDecoder:
+    """One request's decoding state: the target KV cache, the FSM state, the output so far.
+
+    Invariants between steps: the target cache holds ``prompt + output`` minus its last token
+    (``self.last``), which is fed at the start of the next step; ``self.state`` is the FSM state
+    after ``output``.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        constraint: Constraint,
+        prompt_ids: list[int],
+        *,
+        drafter: Drafter | None = None,
+        k_policy: KPolicy | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        max_new_tokens: int = 512,
+    ) -> None:
+        if not prompt_ids:
+            raise InvalidPromptError("Invalid prompt: expected at least one token, got an empty prompt.")
+        context = getattr(target.config, "max_position_embeddings", None)
+        if context is not None and len(prompt_ids) >= context:
+            raise InvalidPromptError(
+                f"Invalid prompt: {len(prompt_ids)} tokens do not fit the model's context of {context} tokens "
+                "(at least one must be left to generate). Shorten the prompt."
+            )
+        if temperature < 0:
+            raise ValueError(f"Invalid temperature: expected >= 0, got {temperature}.")
+        self.target = target
+        self.constraint = constraint
+        self.prompt_ids = list(prompt_ids)
+        self.drafter = drafter
+        self.k_policy: KPolicy = k_policy or FixedK(0)
+        self.temperature = temperature
+        self.generator = generator
+        self.max_new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
+        self.device = next(target.parameters()).device
+        self.output: list[int] = []
+        self.state = constraint.initial_state
+        self.finished = False
+        self.cache = DynamicCache(config=target.config)
+        self.last = self.prompt_ids[-1]
+        self.stats = DecodeStats(drafter=drafter.name if drafter else "none", prompt_tokens=len(prompt_ids))
+
+    @torch.no_grad()
+    def _forward(self, ids: list[int], keep: int) -> torch.Tensor:
+        """Feed ``ids`` through the target with the cache; logits ``[keep, V]`` of the last ``keep`` positions."""
+        out = self.target(
+            input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True, logits_to_keep=keep
+        )
+        return out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
+
+    def prefill(self) -> None:
+        """Fill the target cache with the prompt minus its last token (that one starts step 1)."""
+        t0 = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.reset(self.prompt_ids)
+        if len(self.prompt_ids) > 1:
+            self._forward(self.prompt_ids[:-1], 1)
+        self.stats.prefill_seconds = time.perf_counter() - t0
+
+    def step(self) -> list[int]:
+        """One speculative step; returns the tokens it emitted (EOS excluded) and updates all state."""
+        st = self.stats
+        # 1. Choose K; a step emits at most K + 1 tokens, so stay within max_new_tokens.
+        room = self.max_new_tokens - len(self.output)
+        k = max(0, min(self.k_policy.next_k(), room - 1))
+        # 2. Draft: every proposed token is allowed by the constraint along the draft path.
+        t0 = time.perf_counter()
+        if k > 0 and self.drafter is not None:
+            draft = self.drafter.propose(self.prompt_ids + self.output, self.state, k)
+        else:
+            draft = Draft([], [self.state])
+        t1 = time.perf_counter()
+        k = len(draft.tokens)
+        # 3. Verify: one target forward over [last, x_1..x_k] -> logits for k + 1 positions.
+        logits = self._forward([self.last, *draft.tokens], k + 1)  # [k+1, V]
+        t2 = time.perf_counter()
+        # 4. Mask every position with the FSM state along the draft path (s_0..s_k).
+        for i, s in enumerate(draft.states):
+            apply_mask(logits[i], self.constraint.allowed_mask(s))
+        x = torch.tensor(draft.tokens, dtype=torch.long)
+        if self.temperature == 0:
+            verdict = verify_greedy(logits, x)
+        else:
+            verdict = verify_sampled(masked_probs(logits, self.temperature), x, draft.q, self.generator)
+        n, y = verdict.accepted, verdict.next_token
+        # 5. Roll back: drop the k - n rejected positions from the cache, move the FSM state.
+        if k > n:
+            self.cache.crop(-(k - n))
+        emitted = draft.tokens[:n]
+        if y == self.constraint.eos_token_id:
+            self.finished = True
+        else:
+            emitted = emitted + [y]
+            self.state = self.constraint.next_state(draft.states[n], y)  # type: ignore[assignment]
+            self.last = y
+        self.output.extend(emitted)
+        if not self.finished and self.constraint.is_done(self.state):
+            self.finished = True  # only EOS is left: target-only decoding would emit it with p = 1
+        t3 = time.perf_counter()
+        # 6. Book-keeping for the K policy and the stats.
+        self.k_policy.update(n, k)
+        st.target_forwards += 1
+        st.drafted += k
+        st.accepted += n
+        st.ks.append(k)
+        st.accepted_per_step.append(n)
+        st.draft_seconds += t1 - t0
+        st.target_seconds += t2 - t1
+        st.constraint_seconds += t3 - t2
+        return emitted
+
+    def run(self) -> Iterator[list[int]]:
+        """Prefill, then yield each step's emitted tokens until final, EOS or the token limit."""
+        t0 = time.perf_counter()
+        self.prefill()
+        if self.constraint.is_done(self.state):
+            self.finished = True
+        while not self.finished and len(self.output) < self.max_new_tokens:
+            emitted = self.step()
+            if emitted:
+                yield emitted
+        if not self.finished and self.constraint.is_final(self.state):
+            self.finished = True  # at the limit, a complete member of the language is a valid result
+        self.stats.output_tokens = len(self.output)
+        self.stats.finished = self.finished
+        self.stats.total_seconds = time.perf_counter() - t0
+        self.stats.finish()
+
+
+def decode(
+    target: Any,
+    constraint: Constraint,
+    prompt_ids: list[int],
+    *,
+    drafter: Drafter | None = None,
+    k: int = 0,
+    k_policy: KPolicy | None = None,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    max_new_tokens: int = 512,
+) -> DecodeResult:
+    """Generate token ids under ``constraint``; with ``k = 0`` or no drafter, target-only decoding.
+
+    Greedy (``temperature = 0``) output equals target-only greedy output token for token; sampled
+    output follows the target-only grammar-masked distribution exactly.
+    """
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    if drafter is not None and generator is not None and hasattr(drafter, "generator"):
+        drafter.generator = generator
+    policy = k_policy or FixedK(k if drafter is not None else 0)
+    dec = SpeculativeDecoder(
+        target,
+        constraint,
+        prompt_ids,
+        drafter=drafter,
+        k_policy=policy,
+        temperature=temperature,
+        generator=generator,
+        max_new_tokens=max_new_tokens,
+    )
+    dec.stats.k_max = k if drafter is not None else 0
+    for _ in dec.run():
+        pass
+    return DecodeResult(dec.output, dec.finished, dec.stats)

@@ -1,0 +1,193 @@
+"""Drafters: propose up to K tokens from the current FSM state; the verifier decides.
+
+Contract (two methods, as in transformers' candidate generators):
+- ``reset(prompt_ids)`` before a request;
+- ``propose(context, state, k) -> Draft``: at most ``k`` tokens, every one allowed by the
+  shared constraint when walked from ``state``. A drafter never proposes EOS, so the draft
+  distribution q is the drafter's own distribution over the allowed set minus EOS; the target
+  still emits EOS as a recovered or bonus token.
+
+Deterministic drafters (prompt lookup) return ``q = None``: q is one-hot at the proposal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from .constraint import Constraint, apply_mask
+from .verifier import masked_probs
+
+
+@dataclass
+class Draft:
+    """A proposal.
+
+    Attributes:
+        tokens: x_1..x_k (k may be 0).
+        states: FSM states s_0..s_k along the path (``len(tokens) + 1`` entries).
+        q: ``[k, V]`` draft probabilities, or None for a deterministic drafter.
+    """
+
+    tokens: list[int]
+    states: list[int]
+    q: torch.Tensor | None = None
+    kind: str = "none"
+
+
+class Drafter(Protocol):
+    """What the decoder needs from a drafter."""
+
+    name: str
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Forget everything from a previous request."""
+
+    def propose(self, context: list[int], state: int, k: int) -> Draft:
+        """Up to ``k`` tokens continuing ``context`` (prompt + output so far) from FSM ``state``."""
+
+
+def _cut_to_constraint(constraint: Constraint, state: int, tokens: list[int]) -> list[int]:
+    """FSM states along the longest prefix of ``tokens`` the constraint allows (never past a done state)."""
+    states = [state]
+    for t in tokens:
+        if constraint.is_done(states[-1]):
+            break
+        nxt = constraint.next_state(states[-1], t)
+        if nxt is None:
+            break
+        states.append(nxt)
+    return states
+
+
+class LookupDrafter:
+    """Prompt lookup: continue the longest n-gram match of the recent tokens found earlier in the context.
+
+    Matches are tried from the longest n-gram (``max_ngram``) down to ``min_ngram``; among the
+    most recent ``max_candidates`` matches of that length, the one whose continuation the
+    constraint accepts furthest wins. q is one-hot (deterministic).
+    """
+
+    name = "lookup"
+
+    def __init__(self, constraint: Constraint, *, max_ngram: int = 3, min_ngram: int = 1, max_candidates: int = 8) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"Invalid n-gram range: expected 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}.")
+        self.constraint = constraint
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.max_candidates = max_candidates
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Lookup keeps no state between steps."""
+
+    def propose(self, context: list[int], state: int, k: int) -> Draft:
+        """Continuation of the best n-gram match, cut where the FSM rejects it."""
+        if k <= 0 or len(context) < 2:
+            return Draft([], [state], None, self.name)
+        ctx = np.asarray(context, dtype=np.int64)
+        best_tokens: list[int] = []
+        best_states: list[int] = [state]
+        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+            tail = ctx[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # matches end before the tail
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            for start in hits[::-1][: self.max_candidates]:  # most recent first
+                cont = ctx[start + n : start + n + k].tolist()
+                states = _cut_to_constraint(self.constraint, state, cont)
+                if len(states) > len(best_states):
+                    best_tokens, best_states = cont[: len(states) - 1], states
+                    if len(best_tokens) == k:
+                        break
+            if best_tokens:
+                break
+        return Draft(best_tokens, best_states, None, self.name)
+
+
+class ModelDrafter:
+    """A smaller causal LM sharing the target's tokenizer, with its own KV cache.
+
+    Each proposal samples (or, greedy, takes the argmax of) the draft model's distribution
+    masked by the shared constraint, walking its own copy of the FSM state. The cache keeps the
+    tokens it has seen; before a proposal it is cropped to the longest prefix it shares with the
+    context, so rejected draft tokens are dropped without recomputation.
+    """
+
+    name = "model"
+
+    def __init__(
+        self,
+        model: Any,
+        constraint: Constraint,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.model = model
+        self.constraint = constraint
+        self.temperature = temperature
+        self.generator = generator
+        self.device = next(model.parameters()).device
+        self.cache: DynamicCache | None = None
+        self.cached_ids: list[int] = []
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Start a fresh cache for a new request."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached_ids = []
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Crop the cache to its common prefix with ``context``, feed the rest; logits of the last position."""
+        assert self.cache is not None, "reset() must be called before propose()"
+        common = 0
+        limit = min(len(self.cached_ids), len(context) - 1)  # always feed at least one token
+        while common < limit and self.cached_ids[common] == context[common]:
+            common += 1
+        if common < len(self.cached_ids):
+            self.cache.crop(common)
+            del self.cached_ids[common:]
+        return self._feed(context[common:])
+
+    @torch.no_grad()
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True, logits_to_keep=1
+        )
+        self.cached_ids.extend(ids)
+        return out.logits[0, -1].float().cpu()
+
+    def propose(self, context: list[int], state: int, k: int) -> Draft:
+        """Sample up to ``k`` tokens from the masked draft distribution q."""
+        states = [state]
+        if k <= 0:
+            return Draft([], states, None, self.name)
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        logits = self._sync(context)
+        eos = self.constraint.eos_token_id
+        for i in range(k):
+            s = states[-1]
+            if self.constraint.is_done(s):
+                break
+            mask = self.constraint.allowed_mask(s).clone()
+            if eos < mask.shape[0]:
+                mask[eos] = False  # drafts never end the sequence; see the module docstring
+            if not bool(mask.any()):
+                break
+            masked = apply_mask(logits.double(), mask)
+            if self.temperature > 0:
+                q = masked_probs(masked, self.temperature)
+                x = int(torch.multinomial(q, 1, generator=self.generator))
+                qs.append(q)
+            else:
+                x = int(masked.argmax())
+            tokens.append(x)
+            states.append(self.constraint.next_state(s, x))  # type: ignore[arg-type]
+            if i + 1 < k:
+                logits = self._feed([x])
+        q_all = torch.stack(qs) if qs else None
+        return Draft(tokens, states, q_all, self.name)

@@ -1,0 +1,74 @@
+"""Errors raised by constrained_spec. Every message says what was expected, what came, and how to fix it."""
+
+from __future__ import annotations
+
+
+class ConstrainedSpecError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidSchemaError(ConstrainedSpecError, ValueError):
+    """The JSON schema is not a valid schema, or could not be read."""
+
+
+class UnsupportedSchemaFeatureError(ConstrainedSpecError, ValueError):
+    """The schema uses a keyword the constraint backend cannot enforce.
+
+    Attributes:
+        keyword: the JSON Schema keyword, e.g. ``"uniqueItems"``.
+        path: JSON pointer to the sub-schema holding it, e.g. ``"/properties/tags"``.
+    """
+
+    def __init__(self, keyword: str, path: str, detail: str = "") -> None:
+        self.keyword = keyword
+        self.path = path or "/"
+        msg = (
+            f"Unsupported schema feature: keyword {keyword!r} at {self.path} cannot be enforced "
+            "by the constraint, so outputs could violate it."
+        )
+        if detail:
+            msg += f" {detail}"
+        msg += " Remove the keyword or enforce it after generation."
+        super().__init__(msg)
+
+
+class InvalidRegexError(ConstrainedSpecError, ValueError):
+    """The regular expression does not compile, or no token sequence can match it."""
+
+
+class InvalidPromptError(ConstrainedSpecError, ValueError):
+    """The prompt is empty or does not fit the model's context."""
+
+
+class TokenizerMismatchError(ConstrainedSpecError, ValueError):
+    """The draft model's tokenizer differs from the target's."""
+
+
+class ModelLoadError(ConstrainedSpecError, RuntimeError):
+    """A model could not be loaded (missing package, bad path, bad argument)."""
+
+
+class TokenLimitError(ConstrainedSpecError, RuntimeError):
+    """``max_new_tokens`` ran out before the constraint was satisfied.
+
+    Attributes:
+        partial_text: the text generated so far (a valid prefix of the language).
+        max_new_tokens: the limit that was reached.
+    """
+
+    def __init__(self, partial_text: str, max_new_tokens: int) -> None:
+        self.partial_text = partial_text
+        self.max_new_tokens = max_new_tokens
+        super().__init__(
+            f"Generation stopped at max_new_tokens={max_new_tokens} before the output was complete; "
+            f"raise max_new_tokens. Partial output: {partial_text!r}"
+        )
+
+
+class OutputValidationError(ConstrainedSpecError, RuntimeError):
+    """The finished output failed validation against the original schema (never returned silently)."""
+
+    def __init__(self, text: str, reason: str) -> None:
+        self.text = text
+        self.reason = reason
+        super().__init__(f"Generated output does not validate against the schema: {reason}. Output: {text!r}")

