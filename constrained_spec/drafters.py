@@ -148,7 +148,7 @@ class ModelDrafter:
         while common < limit and self.cached_ids[common] == context[common]:
             common += 1
         if common < len(self.cached_ids):
-            self.cache.crop(common)
+            self.cache.crop(common - len(self.cached_ids))  # negative: drop that many positions
             del self.cached_ids[common:]
         return self._feed(context[common:])
 

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random models (no downloads), a hand-built vocabulary, the real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(vocab_size: int, seed: int, *, dtype: torch.dtype = torch.float64, context: int = 256,
+               init: float = 0.5) -> LlamaForCausalLM:
+    """A 2-layer random Llama. A large init spread makes its distributions far from uniform,
+    so draft and target differ and wrong verifiers are visible."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+        initializer_range=init, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded SmolLM2-135M-Instruct (weights cached as safetensors after the first load)."""
+    from constrained_spec import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol):
+    return smol.tokenizer

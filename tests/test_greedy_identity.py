@@ -1,0 +1,64 @@
+"""Greedy speculative output == greedy target-only output, token for token (float64, no ties).
+
+Tiny random models over the real SmolLM2 tokenizer, with 64 padding rows in the output layer
+that the constraint must always mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from constrained_spec.constraint import compile_regex, load_schema, schema_to_regex
+from constrained_spec.decoder import decode
+from constrained_spec.drafters import LookupDrafter, ModelDrafter
+from tests.conftest import tiny_llama
+
+PADDED_VOCAB = 49152 + 64
+SCHEMAS = ["schemas/person.json", "schemas/invoice.json", "schemas/event.json"]
+TEXT = ('Record: name "Maria Gonzalez", age 34, city "Barcelona", occupation "architect". '
+        'Invoice INV-2291 from Acme GmbH dated 2024-03-05, total 1249.50 EUR, paid: true.')
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_llama(PADDED_VOCAB, seed=11, init=0.3), tiny_llama(PADDED_VOCAB, seed=12, init=0.3)
+
+
+@pytest.fixture(scope="module")
+def prompt(smol_tokenizer):
+    return smol_tokenizer(TEXT)["input_ids"]
+
+
+def constraint_for(path, tokenizer_handle):
+    schema, _ = load_schema(path)
+    return compile_regex(schema_to_regex(schema), tokenizer_handle.vocabulary)
+
+
+@pytest.mark.parametrize("schema_path", SCHEMAS)
+@pytest.mark.parametrize("kind", ["model", "lookup"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_identity(smol, models, prompt, schema_path, kind, k):
+    target, draft = models
+    constraint = constraint_for(schema_path, smol)
+    baseline = decode(target, constraint, prompt, max_new_tokens=48)
+    drafter = ModelDrafter(draft, constraint) if kind == "model" else LookupDrafter(constraint)
+    spec = decode(target, constraint, prompt, drafter=drafter, k=k, max_new_tokens=48)
+    assert spec.tokens == baseline.tokens
+    assert spec.finished == baseline.finished
+    assert all(t < 49152 for t in spec.tokens)  # padding rows never chosen
+    assert spec.stats.output_tokens == len(spec.tokens)
+    assert spec.stats.target_forwards == len(spec.stats.ks)
+    assert sum(spec.stats.accepted_per_step) + spec.stats.target_forwards >= len(spec.tokens)
+
+
+def test_target_as_its_own_draft_accepts_everything(smol, models, prompt):
+    """A draft identical to the target is always right under greedy: every step lands K + 1 tokens."""
+    target, _ = models
+    constraint = constraint_for("schemas/person.json", smol)
+    k = 4
+    res = decode(target, constraint, prompt, drafter=ModelDrafter(target, constraint), k=k, max_new_tokens=40)
+    assert res.stats.drafted > 0
+    assert res.stats.accepted == res.stats.drafted
+    assert res.stats.target_forwards <= -(-len(res.tokens) // (k + 1)) + 1
+    assert res.tokens == decode(target, constraint, prompt, max_new_tokens=40).tokens
+

@@ -1,0 +1,52 @@
+"""After every step the KV caches equal those of a fresh forward over the accepted prefix."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from constrained_spec.constraint import TokenVocabulary, compile_regex
+from constrained_spec.decoder import FixedK, SpeculativeDecoder
+from constrained_spec.drafters import ModelDrafter
+from tests.conftest import tiny_llama
+
+TOKENS = {1: b"a", 2: b"b", 3: b"ab", 4: b"c", 5: b"ba", 6: b"x"}
+
+
+def fresh_cache(model, ids):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    return cache
+
+
+def assert_same_cache(a, b):
+    assert a.get_seq_length() == b.get_seq_length()
+    for la, lb in zip(a.layers, b.layers):
+        torch.testing.assert_close(la.keys, lb.keys, rtol=0, atol=1e-10)
+        torch.testing.assert_close(la.values, lb.values, rtol=0, atol=1e-10)
+
+
+def test_caches_after_rollback_equal_fresh_forward():
+    vocab = TokenVocabulary.build(TOKENS, 0, size=7)
+    constraint = compile_regex(r"[abx]{20,30}c", vocab, use_disk_cache=False)
+    target, draft = tiny_llama(10, seed=3), tiny_llama(10, seed=4)
+    for temperature, seed in [(0.0, None), (1.0, 5)]:
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        drafter = ModelDrafter(draft, constraint, temperature=temperature, generator=g)
+        dec = SpeculativeDecoder(target, constraint, [6, 1, 2, 3], drafter=drafter, k_policy=FixedK(4),
+                                 temperature=temperature, generator=g, max_new_tokens=40)
+        dec.prefill()
+        rejected_steps = 0
+        while not dec.finished and len(dec.output) < 30:
+            dec.step()
+            rejected_steps += dec.stats.accepted_per_step[-1] < dec.stats.ks[-1]
+            seq = dec.prompt_ids + dec.output
+            assert_same_cache(dec.cache, fresh_cache(target, seq[:-1]))
+            assert dec.last == seq[-1]
+            assert dec.state == constraint.walk(constraint.initial_state, dec.output)[-1]
+            # the drafter's cache holds exactly the ids it records, all a prefix of the new context
+            n = len(drafter.cached_ids)
+            assert drafter.cached_ids == seq[:n] or drafter.cached_ids[: n - 1] == seq[: n - 1]
+            assert_same_cache(drafter.cache, fresh_cache(draft, drafter.cached_ids))
+        assert rejected_steps > 0, "the test must exercise rollback"
