@@ -182,6 +182,7 @@ class SpeculativeDecoder:
         emitted = draft.tokens[:n]
         if y == self.constraint.eos_token_id:
             self.finished = True
+            self.state = draft.states[n]
         else:
             emitted = emitted + [y]
             self.state = self.constraint.next_state(draft.states[n], y)  # type: ignore[assignment]
