@@ -216,7 +216,7 @@ def generate_regex(
     try:
         compiled = re.compile(pattern)
     except re.error as e:
-        raise InvalidRegexError(f"Invalid regex {pattern!r}: {e}.") from None
+        raise InvalidRegexError(f"Invalid regex {pattern!r}: it does not compile ({e}).") from None
     text, stats = _run(
         model,
         lambda h: compile_regex(pattern, h.vocabulary),

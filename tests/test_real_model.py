@@ -1,0 +1,64 @@
+"""End-to-end on the embedded SmolLM2-135M-Instruct: valid outputs, identical greedy outputs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from constrained_spec import generate_json, generate_regex, load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [json.loads(line) for line in (ROOT / "benchmarks" / "extraction.jsonl").read_text().splitlines() if line.strip()]
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    city: str
+
+
+def test_load_model_is_memoized(smol):
+    assert load_model() is smol
+    assert smol.model.config.vocab_size == 49152
+
+
+def test_pydantic_instance(smol):
+    prompt = "Extract name, age and city as JSON.\nText: Maria Gonzalez is a 34-year-old architect in Barcelona."
+    person, stats = generate_json(smol, Person, prompt, return_stats=True)
+    assert isinstance(person, Person)
+    assert person.age == 34 and "Maria" in person.name and person.city == "Barcelona"
+    assert stats.finished and stats.output_tokens > 5
+    assert stats.target_forwards <= stats.output_tokens
+
+
+@pytest.mark.parametrize("item", PROMPTS[:4], ids=[p["id"] for p in PROMPTS[:4]])
+def test_greedy_lookup_equals_target_only_and_validates(smol, item):
+    schema = json.loads((ROOT / "schemas" / item["schema"]).read_text())
+    base, s0 = generate_json(smol, schema, item["prompt"], drafter="none", return_stats=True)
+    spec, s1 = generate_json(smol, schema, item["prompt"], drafter="lookup", return_stats=True)
+    jsonschema.validate(spec, schema)
+    assert spec == base
+    assert s1.output_tokens == s0.output_tokens
+    assert s0.target_forwards == s0.output_tokens  # target-only: one forward per token
+    assert s1.target_forwards < s1.output_tokens  # copied spans landed
+
+
+def test_regex_full_match(smol):
+    pattern = r"\+?[0-9]{1,3} [0-9]{3} [0-9]{3} [0-9]{4}"
+    text = generate_regex(smol, pattern, "Write a phone number for Daniel Kim: +1 415 555 0199.")
+    assert re.fullmatch(pattern, text)
+
+
+def test_model_drafter_with_itself_as_draft(smol):
+    """The target as its own draft: greedy proposals always land, output unchanged."""
+    schema = json.loads((ROOT / "schemas" / "person.json").read_text())
+    prompt = PROMPTS[0]["prompt"]
+    base = generate_json(smol, schema, prompt, drafter="none")
+    value, stats = generate_json(smol, schema, prompt, draft=smol, k_max=3, return_stats=True)
+    assert value == base
+    assert stats.drafter == "model" and stats.acceptance_rate == 1.0
