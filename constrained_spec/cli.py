@@ -1,0 +1,226 @@
+"""The ``constrained-spec`` command line: json, regex and bench.
+
+Exit codes: 0 success; 2 bad usage or bad input (invalid schema, pattern, prompt, option);
+1 generation failure (token limit reached, output failed validation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import ConstrainedSpecError, ModelLoadError, OutputValidationError, TokenLimitError
+
+app = typer.Typer(
+    help="Fast, exact structured output: schema- and regex-constrained generation with speculative decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+EXAMPLE_PROMPT = (
+    "Extract the person described below as JSON with the fields name, age, city and occupation.\n\n"
+    "Text: Maria Gonzalez is a 34-year-old architect who lives in Barcelona. She designs public libraries."
+)
+
+ModelOpt = typer.Option(None, "--model", "-m", help="Model id or local path; default: the embedded SmolLM2-135M-Instruct.")
+DraftOpt = typer.Option(None, "--draft", help="Draft model id or path (same tokenizer as the target).")
+DrafterOpt = typer.Option("auto", "--drafter", help="none | model | lookup | auto (model if --draft, else lookup).")
+TempOpt = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples exactly from the masked target.")
+SeedOpt = typer.Option(None, "--seed", help="Seed for sampling.")
+MaxOpt = typer.Option(512, "--max-new-tokens", help="Generation limit.")
+KOpt = typer.Option(None, "--k-max", help="Draft length K (default per drafter).")
+StatsOpt = typer.Option(False, "--stats", help="Print speed figures to stderr.")
+PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
+
+
+def _prompt_text(prompt: Optional[str]) -> str:
+    if prompt is not None:
+        return prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        err.print("[red]error:[/] give --prompt TEXT or pipe the prompt on standard input")
+        raise typer.Exit(2)
+    return sys.stdin.read()
+
+
+def _print_stats(stats: Any) -> None:
+    s = dataclasses.asdict(stats)
+    err.print(
+        f"[dim]{s['output_tokens']} tokens in {s['total_seconds']:.2f}s ({s['tokens_per_second']:.1f} tok/s), "
+        f"{s['target_forwards']} target forwards ({s['forwards_per_token']:.2f}/token), drafter {s['drafter']}, "
+        f"acceptance {s['acceptance_rate']:.2f}, K per step {s['ks'][:40]}{'...' if len(s['ks']) > 40 else ''}[/]"
+    )
+
+
+def _run_guarded(fn: Any) -> Any:
+    """Map errors to exit codes: 2 for bad input, 1 for a generation that failed."""
+    try:
+        return fn()
+    except (TokenLimitError, OutputValidationError) as e:
+        err.print(f"[red]generation failed:[/] {e}")
+        raise typer.Exit(1)
+    except (ConstrainedSpecError, ValueError) as e:
+        err.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2)
+
+
+@app.command("json")
+def json_cmd(
+    schema: str = typer.Argument(..., help="JSON schema: a file path, JSON text, or module:Class of a pydantic model."),
+    prompt: Optional[str] = PromptOpt,
+    model: Optional[str] = ModelOpt,
+    draft: Optional[str] = DraftOpt,
+    drafter: str = DrafterOpt,
+    temperature: float = TempOpt,
+    seed: Optional[int] = SeedOpt,
+    max_new_tokens: int = MaxOpt,
+    k_max: Optional[int] = KOpt,
+    stats: bool = StatsOpt,
+) -> None:
+    """Generate JSON that validates against SCHEMA and print it.
+
+    Example: constrained-spec json schemas/person.json --prompt "Extract: Maria, 34, architect in Barcelona" --stats
+    """
+    from .api import generate_json
+
+    text = _prompt_text(prompt)
+
+    def go() -> None:
+        spec = _schema_arg(schema)
+        value, st = generate_json(model, spec, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
+                                  seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, return_stats=True)
+        if hasattr(value, "model_dump"):
+            value = value.model_dump(mode="json")
+        print(json.dumps(value, ensure_ascii=False))
+        if stats:
+            _print_stats(st)
+
+    _run_guarded(go)
+
+
+def _schema_arg(schema: str) -> Any:
+    """A pydantic class for ``module:Class``; otherwise the text or path as given."""
+    if ":" in schema and not schema.lstrip().startswith("{") and not Path(schema).exists():
+        import importlib
+
+        module, _, cls = schema.partition(":")
+        try:
+            return getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"Invalid schema: cannot import {schema!r} ({e}).") from None
+    return schema
+
+
+@app.command("regex")
+def regex_cmd(
+    pattern: str = typer.Argument(..., help="Regular expression the whole output must match."),
+    prompt: Optional[str] = PromptOpt,
+    model: Optional[str] = ModelOpt,
+    draft: Optional[str] = DraftOpt,
+    drafter: str = DrafterOpt,
+    temperature: float = TempOpt,
+    seed: Optional[int] = SeedOpt,
+    max_new_tokens: int = MaxOpt,
+    k_max: Optional[int] = KOpt,
+    stats: bool = StatsOpt,
+) -> None:
+    """Generate a string that fully matches PATTERN and print it.
+
+    Example: constrained-spec regex '[0-9]{3}-[0-9]{4}' --prompt "A phone extension:"
+    """
+    from .api import generate_regex
+
+    text = _prompt_text(prompt)
+
+    def go() -> None:
+        out, st = generate_regex(model, pattern, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
+                                 seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, return_stats=True)
+        print(out)
+        if stats:
+            _print_stats(st)
+
+    _run_guarded(go)
+
+
+@app.command("demo")
+def demo_cmd() -> None:
+    """The main job in one command: generate_json on the embedded model, target-only and speculative.
+
+    Prints the extracted object and the speed figures of both runs.
+    """
+    from .api import generate_json
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+                       "occupation": {"type": "string"}},
+        "required": ["name", "age", "city", "occupation"],
+    }
+
+    def go() -> None:
+        generate_json(None, {"type": "boolean"}, "Is water wet?", drafter="none", max_new_tokens=4)  # warm-up
+        base, s0 = generate_json(None, schema, EXAMPLE_PROMPT, drafter="none", return_stats=True)
+        value, s1 = generate_json(None, schema, EXAMPLE_PROMPT, drafter="auto", return_stats=True)
+        print(json.dumps(value, ensure_ascii=False, indent=2))
+        for label, st in (("target-only", s0), ("speculative", s1)):
+            err.print(f"[bold]{label}[/]", end=": ")
+            _print_stats(st)
+        err.print(f"speedup {s1.tokens_per_second / s0.tokens_per_second:.2f}x; identical output: {value == base}")
+
+    _run_guarded(go)
+
+
+@app.command("bench")
+def bench_cmd(
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {id, schema, prompt}; default: benchmarks/extraction.jsonl."),
+    model: Optional[str] = ModelOpt,
+    k_max: Optional[int] = KOpt,
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    outlines_reference: bool = typer.Option(True, "--outlines/--no-outlines", help="Include outlines' transformers generator as a reference row."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
+) -> None:
+    """Target-only vs speculative decoding on the extraction prompts, side by side in one run.
+
+    Example: constrained-spec bench --json bench-results.json
+    """
+    from .bench import DEFAULT_PROMPTS, run_bench
+
+    def go() -> None:
+        report = run_bench(prompts or DEFAULT_PROMPTS, model=model, k_max=k_max, max_new_tokens=max_new_tokens,
+                           outlines_reference=outlines_reference,
+                           progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))
+        table = Table(title=f"{report['model']}: {report['prompts']} extraction prompts, greedy")
+        cols = {"config": "config", "tokens_per_second": "tok/s", "speedup_vs_target_only": "speedup",
+                "target_forwards_per_token": "fwd/token", "acceptance_rate": "accepted",
+                "constraint_ms_per_token": "constraint ms/tok", "identical_outputs": "identical"}
+        for c, header in cols.items():
+            table.add_column(header, justify="left" if c == "config" else "right", no_wrap=True)
+        for row in report["rows"]:
+            table.add_row(*["-" if row[c] is None else str(row[c]) for c in cols])
+        Console(width=max(120, Console().width)).print(table)
+        if json_out:
+            json_out.write_text(json.dumps(report, indent=2, default=str))
+            err.print(f"figures written to {json_out}")
+
+    _run_guarded(go)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except ModelLoadError as e:  # raised outside a command's guard, e.g. while importing
+        err.print(f"[red]error:[/] {e}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
