@@ -13,15 +13,15 @@ from typing import Any, Literal
 
 from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, compile_regex, load_schema, schema_to_regex
 from .decoder import DecodeStats, decode
-from .drafters import Drafter, LookupDrafter, ModelDrafter
+from .drafters import Drafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .errors import InvalidPromptError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
 
-DrafterName = Literal["none", "model", "lookup", "auto"]
+DrafterName = Literal["none", "model", "lookup", "grammar", "hybrid", "auto"]
 
 #: Default K_max per drafter on this CPU: a target forward costs about the same for 1 or 10
 #: tokens, so a free deterministic draft may be long; a model draft pays per token.
-DEFAULT_K_MAX = {"lookup": 8, "model": 4, "none": 0}
+DEFAULT_K_MAX = {"lookup": 8, "grammar": 12, "hybrid": 12, "model": 4, "none": 0}
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,14 @@ class SpecOptions:
     @staticmethod
     def build(drafter: str, draft: Any, k_max: int | None, temperature: float, seed: int | None, max_new_tokens: int) -> "SpecOptions":
         """Resolve ``auto`` and defaults; raise ``ValueError`` naming the bad option."""
-        if drafter not in ("none", "model", "lookup", "auto"):
-            raise ValueError(f"Invalid drafter: expected one of 'none', 'model', 'lookup', 'auto', got {drafter!r}.")
+        if drafter not in DEFAULT_K_MAX and drafter != "auto":
+            raise ValueError(
+                f"Invalid drafter: expected one of 'none', 'model', 'lookup', 'grammar', 'hybrid', 'auto', got {drafter!r}."
+            )
         if drafter == "model" and draft is None:
             raise ValueError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='lookup'.")
         if drafter == "auto":
-            drafter = "model" if draft is not None else "lookup"
+            drafter = "hybrid"  # forced text, then lookup, then the draft model when given
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"Invalid max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}.")
         if k_max is None:
@@ -73,12 +75,22 @@ def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
 
 
 def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint: Constraint) -> Drafter | None:
-    if opts.drafter == "lookup":
-        return LookupDrafter(constraint)
-    if opts.drafter == "model":
+    model_drafter = None
+    if draft is not None and opts.drafter in ("model", "hybrid"):
         draft_handle = resolve_model(draft, role="draft")
         check_same_tokenizer(target, draft_handle)
-        return ModelDrafter(draft_handle.model, constraint, temperature=opts.temperature)
+        model_drafter = ModelDrafter(draft_handle.model, constraint, temperature=opts.temperature)
+    tok = target.tokenizer
+    if opts.drafter == "model":
+        return model_drafter
+    if opts.drafter == "lookup":
+        return LookupDrafter(constraint)
+    if opts.drafter in ("grammar", "hybrid"):
+        grammar = GrammarDrafter(constraint, lambda text: tok(text, add_special_tokens=False)["input_ids"])
+        if opts.drafter == "grammar":
+            return grammar
+        parts: list[Any] = [grammar, LookupDrafter(constraint)]
+        return HybridDrafter(parts + ([model_drafter] if model_drafter is not None else []))
     return None
 
 
@@ -139,8 +151,9 @@ def generate_json(
         prompt: the user message; it goes through the model's chat template when it has one.
             The schema is not added to it: say in the prompt what to extract.
         draft: the draft model for ``drafter="model"`` (same forms as ``model``).
-        drafter: "none" (target-only), "model", "lookup" (prompt lookup) or "auto" (model
-            when a draft is given, else lookup).
+        drafter: "none" (target-only), "model", "lookup" (prompt lookup), "grammar" (text the
+            constraint forces), "hybrid" (forced text, then lookup, then the draft model when
+            given) or "auto" (= hybrid).
         temperature: 0 for greedy; above 0, exact sampling from the masked target distribution.
         seed: makes sampling reproducible.
         max_new_tokens: the generation limit; reaching it first raises ``TokenLimitError``

@@ -88,7 +88,7 @@ def run_bench(
     """Run every configuration on every prompt; return the figures (see ``ConfigFigures.summary``)."""
     handle = resolve_model(model)
     items = load_prompts(prompts)
-    configs = {"target-only": "none", "speculative (lookup)": "lookup"}
+    configs = {"target-only": "none", "lookup": "lookup", "grammar": "grammar", "hybrid (auto)": "hybrid"}
     figures = {name: ConfigFigures(name) for name in configs}
     ref = ConfigFigures("outlines + transformers (reference)") if outlines_reference else None
     # Warm up once (first-call allocations, thread pools) so no configuration pays for it.
@@ -139,5 +139,5 @@ def run_bench(
         "k_max": k_max,
         "max_new_tokens": max_new_tokens,
         "rows": rows,
-        "outputs": {item["id"]: figures["speculative (lookup)"].outputs[j] for j, item in enumerate(items)},
+        "outputs": {item["id"]: figures["hybrid (auto)"].outputs[j] for j, item in enumerate(items)},
     }

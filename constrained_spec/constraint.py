@@ -26,10 +26,14 @@ from outlines_core.json_schema import build_regex_from_schema
 
 from .errors import InvalidRegexError, InvalidSchemaError, UnsupportedSchemaFeatureError
 
-#: Whitespace allowed at each structural point of the JSON layout. One optional space keeps
-#: the model's usual ``{"a": 1, "b": 2}`` style possible while ruling out runaway whitespace,
-#: a known failure of unbounded ``[\n\t ]*`` with small models.
-DEFAULT_JSON_WHITESPACE = r"[ ]?"
+#: JSON layouts. "canonical" is Python's ``json.dumps`` style, ``{"a": 1, "b": [1, 2]}``: one
+#: fixed layout, so the grammar drafter can draft every key, quote, colon and comma, and the
+#: one the embedded model writes best (measured: the compact layout made it extract wrong
+#: values). "flexible" allows one optional space at each structural point; "compact" none.
+#: Any other string is used as the whitespace regex at every structural point.
+JSON_LAYOUTS = {"canonical": None, "compact": "", "flexible": r"[ ]?"}
+DEFAULT_JSON_WHITESPACE = "canonical"
+_WS_MARK = "\ue000"  # a private-use character standing for "whitespace goes here"
 
 # Validation keywords outlines-core ignores (its regex would accept instances that break
 # them). Refusing them up front is the honest choice; the output is also re-validated.
@@ -228,11 +232,20 @@ def check_schema_support(schema: Any, path: str = "") -> None:
                 check_schema_support(sub, f"{path}/{kw}/{name}")
 
 
+def _canonical_layout(regex: str) -> str:
+    """Put exactly one space after ':' and ',' and none elsewhere, where outlines-core put a marker."""
+    m = _WS_MARK
+    return regex.replace(f"{m}:{m}", ": ").replace(f"{m},{m}", ", ").replace(f",{m}", ", ").replace(m, "")
+
+
 def schema_to_regex(schema: dict, whitespace: str = DEFAULT_JSON_WHITESPACE) -> str:
-    """The regex of the JSON texts that the schema allows, in the given whitespace style."""
+    """The regex of the JSON texts that the schema allows, in the given layout (see ``JSON_LAYOUTS``)."""
     check_schema_support(schema)
+    ws = JSON_LAYOUTS.get(whitespace, whitespace)
     try:
-        return build_regex_from_schema(json.dumps(schema), whitespace)
+        if ws is None:
+            return _canonical_layout(build_regex_from_schema(json.dumps(schema), _WS_MARK))
+        return build_regex_from_schema(json.dumps(schema), ws)
     except Exception as e:  # outlines-core raises ValueError with a free-form message
         msg = str(e).split("\n")[0]
         m = re.search(r"Format (\S+) is not supported", msg)

@@ -69,6 +69,16 @@ class DecodeStats:
     tokens_per_second: float = 0.0
     forwards_per_token: float = 0.0
     finished: bool = False
+    #: Per drafter kind: drafted, accepted, and supplied (output tokens it provided; the
+    #: target supplies every recovered or bonus token, under the kind "target").
+    per_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def count_kind(self, kind: str, drafted: int = 0, accepted: int = 0) -> None:
+        """Add to one kind's counters (accepted tokens are also supplied tokens)."""
+        row = self.per_kind.setdefault(kind, {"drafted": 0, "accepted": 0, "supplied": 0})
+        row["drafted"] += drafted
+        row["accepted"] += accepted
+        row["supplied"] += accepted
 
     def finish(self) -> None:
         """Fill the derived ratios."""
@@ -198,6 +208,10 @@ class SpeculativeDecoder:
         st.accepted += n
         st.ks.append(k)
         st.accepted_per_step.append(n)
+        for i, kind in enumerate(draft.token_kinds()):
+            st.count_kind(kind, drafted=1, accepted=int(i < n))
+        if y != self.constraint.eos_token_id:
+            st.count_kind("target", accepted=1)
         st.draft_seconds += t1 - t0
         st.target_seconds += t2 - t1
         st.constraint_seconds += t3 - t2

@@ -13,7 +13,7 @@ Deterministic drafters (prompt lookup) return ``q = None``: q is one-hot at the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -37,6 +37,12 @@ class Draft:
     states: list[int]
     q: torch.Tensor | None = None
     kind: str = "none"
+    #: Which drafter supplied each token (hybrid drafts mix kinds); defaults to ``kind``.
+    kinds: list[str] | None = None
+
+    def token_kinds(self) -> list[str]:
+        """The drafter kind behind each token."""
+        return self.kinds if self.kinds is not None else [self.kind] * len(self.tokens)
 
 
 class Drafter(Protocol):
@@ -191,3 +197,110 @@ class ModelDrafter:
                 logits = self._feed([x])
         q_all = torch.stack(qs) if qs else None
         return Draft(tokens, states, q_all, self.name)
+
+
+class GrammarDrafter:
+    """Text the constraint forces next (keys, quotes, colons, commas, brackets, enum prefixes).
+
+    From a state, the forced bytes are found by walking single-byte tokens while exactly one
+    byte is allowed and the state is not final. The text is tokenized as the tokenizer would
+    tokenize it, cut where the FSM rejects, and proposed with a one-hot q. Computed once per
+    FSM state and cached. Costs no model call.
+    """
+
+    name = "grammar"
+
+    def __init__(self, constraint: Constraint, tokenize: Callable[[str], list[int]]) -> None:
+        self.constraint = constraint
+        self.tokenize = tokenize
+        self._byte_tokens: dict[int, int] = {}
+        for tid, b in constraint.vocab.token_bytes.items():
+            if len(b) == 1 and tid != constraint.eos_token_id:
+                self._byte_tokens.setdefault(b[0], tid)
+        self._cache: dict[int, tuple[list[int], list[int]]] = {}
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Nothing per request: the cache depends on the constraint only."""
+
+    def forced_bytes(self, state: int, limit: int = 256) -> bytes:
+        """The bytes every continuation from ``state`` starts with."""
+        out = bytearray()
+        c = self.constraint
+        while len(out) < limit and not c.is_final(state):
+            only = None
+            for byte, tid in self._byte_tokens.items():
+                nxt = c.next_state(state, tid)
+                if nxt is not None:
+                    if only is not None:
+                        return bytes(out)
+                    only = (byte, nxt)
+            if only is None:
+                break
+            out.append(only[0])
+            state = only[1]
+        return bytes(out)
+
+    def forced(self, state: int) -> tuple[list[int], list[int]]:
+        """Tokens of the forced text from ``state`` and the FSM states along them (cached)."""
+        hit = self._cache.get(state)
+        if hit is None:
+            text = self.forced_bytes(state).decode("utf-8", errors="ignore")
+            tokens = self.tokenize(text) if text else []
+            states = _cut_to_constraint(self.constraint, state, tokens)
+            hit = self._cache[state] = (tokens[: len(states) - 1], states)
+        return hit
+
+    def propose(self, context: list[int], state: int, k: int) -> Draft:
+        """Up to ``k`` forced tokens; empty where the constraint leaves a choice."""
+        tokens, states = self.forced(state)
+        return Draft(tokens[:k], states[: min(k, len(tokens)) + 1], None, self.name)
+
+
+class HybridDrafter:
+    """Forced text first, then prompt lookup, then the draft model when one is given.
+
+    Each part continues from the state the previous part reached, so the whole draft is one
+    FSM path; model positions carry q rows, deterministic ones one-hot rows.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Reset every part."""
+        for part in self.parts:
+            part.reset(prompt_ids)
+
+    def propose(self, context: list[int], state: int, k: int) -> Draft:
+        """Concatenate the parts' proposals until ``k`` tokens are drafted."""
+        tokens: list[int] = []
+        states = [state]
+        kinds: list[str] = []
+        q_rows: list[torch.Tensor | None] = []
+        while len(tokens) < k:
+            grew = False
+            for part in self.parts:
+                d = part.propose(context + tokens, states[-1], k - len(tokens))
+                if not d.tokens:
+                    continue
+                tokens += d.tokens
+                states += d.states[1:]
+                kinds += d.token_kinds()
+                q_rows += list(d.q) if d.q is not None else [None] * len(d.tokens)
+                grew = True
+                break  # start again from the first part: forced text may follow a copied span
+            if not grew:
+                break
+        q = None
+        if any(r is not None for r in q_rows):
+            v = next(r for r in q_rows if r is not None).shape[0]
+            q = torch.stack([r if r is not None else _one_hot(t, v) for r, t in zip(q_rows, tokens)])
+        return Draft(tokens, states, q, self.name, kinds)
+
+
+def _one_hot(token: int, size: int) -> torch.Tensor:
+    row = torch.zeros(size, dtype=torch.float64)
+    row[token] = 1.0
+    return row

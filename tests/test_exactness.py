@@ -150,3 +150,35 @@ def test_negative_control_unmasked_q_is_caught(setup):
     pv = sample_pvalue(law, lambda s: decode(target, constraint, PROMPT, drafter=drafter, k=3, temperature=1.0,
                                             seed=s, max_new_tokens=16).tokens)
     assert pv < 1e-4
+
+
+def _greedy_tokenize(text: str) -> list[int]:
+    """Longest-match tokenizer over TOKENS (enough for forced text in these tests)."""
+    by_bytes = sorted(((b, t) for t, b in TOKENS.items()), key=lambda bt: -len(bt[0]))
+    data, out = text.encode(), []
+    while data:
+        b, t = next((b, t) for b, t in by_bytes if data.startswith(b))
+        out.append(t)
+        data = data[len(b):]
+    return out
+
+
+def test_hybrid_drafter_with_mixed_q_is_exact(setup):
+    """Forced, copied (one-hot q) and model (sampled q) tokens in one draft."""
+    from constrained_spec.drafters import GrammarDrafter, HybridDrafter
+
+    _, target, draft = setup
+    vocab = TokenVocabulary.build(TOKENS, EOS, size=7)
+    constraint = compile_regex(r"xx[ab]{1,2}c?", vocab, use_disk_cache=False)
+    law = exact_law(constraint, target, PROMPT)
+    hybrid = HybridDrafter([GrammarDrafter(constraint, _greedy_tokenize), LookupDrafter(constraint),
+                            ModelDrafter(draft, constraint, temperature=1.0)])
+    kinds: set[str] = set()
+
+    def draw(seed):
+        res = decode(target, constraint, PROMPT, drafter=hybrid, k=4, temperature=1.0, seed=seed, max_new_tokens=16)
+        kinds.update(k for k, row in res.stats.per_kind.items() if row["drafted"])
+        return res.tokens
+
+    assert sample_pvalue(law, draw) > 1e-3
+    assert {"grammar", "model"} <= kinds

@@ -1,0 +1,88 @@
+"""The grammar-forced and hybrid drafters: only tokens the FSM allows, and honest accounting."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from constrained_spec.constraint import compile_regex, load_schema, schema_to_regex
+from constrained_spec.decoder import decode
+from constrained_spec.drafters import GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
+from tests.conftest import tiny_llama
+
+SCHEMAS = sorted(str(p) for p in (Path(__file__).resolve().parent.parent / "schemas").glob("*.json"))
+
+
+def tokenize_with(tokenizer):
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def compiled(smol):
+    out = {}
+    for path in SCHEMAS:
+        schema, _ = load_schema(path)
+        out[path] = compile_regex(schema_to_regex(schema), smol.vocabulary)
+    return out
+
+
+@pytest.mark.parametrize("path", SCHEMAS, ids=[Path(p).stem for p in SCHEMAS])
+def test_forced_drafts_follow_the_fsm_on_random_walks(smol, compiled, path):
+    constraint = compiled[path]
+    drafter = GrammarDrafter(constraint, tokenize_with(smol.tokenizer))
+    rng = random.Random(0)
+    proposals = 0
+    for walk in range(12):
+        state = constraint.initial_state
+        for _ in range(80):
+            d = drafter.propose([], state, 12)
+            assert len(d.states) == len(d.tokens) + 1
+            assert constraint.walk(state, d.tokens) == d.states  # every token allowed, states right
+            assert constraint.eos_token_id not in d.tokens
+            proposals += bool(d.tokens)
+            if constraint.is_done(state):
+                break
+            allowed = [t for t in constraint.index.get_allowed_tokens(state) if t != constraint.eos_token_id]
+            if not allowed:
+                break
+            state = constraint.next_state(state, rng.choice(allowed))
+    assert proposals > 0
+
+
+def test_forced_text_of_the_start_state(smol, compiled):
+    constraint = compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]]
+    drafter = GrammarDrafter(constraint, tokenize_with(smol.tokenizer))
+    assert drafter.forced_bytes(constraint.initial_state) == b'{"name": "'
+    tokens, _ = drafter.forced(constraint.initial_state)
+    assert smol.tokenizer.decode(tokens) == '{"name": "'
+
+
+def test_hybrid_accounting_adds_up(smol, compiled):
+    constraint = compiled[[p for p in SCHEMAS if p.endswith("invoice.json")][0]]
+    target, draft = tiny_llama(49152, seed=21, init=0.3), tiny_llama(49152, seed=22, init=0.3)
+    prompt = smol.tokenizer('Invoice INV-2291 from Acme GmbH, 2024-03-05, 1249.50 EUR, paid.')["input_ids"]
+    hybrid = HybridDrafter([GrammarDrafter(constraint, tokenize_with(smol.tokenizer)), LookupDrafter(constraint),
+                            ModelDrafter(draft, constraint)])
+    res = decode(target, constraint, prompt, drafter=hybrid, k=8, max_new_tokens=60)
+    st = res.stats
+    assert res.tokens == decode(target, constraint, prompt, max_new_tokens=60).tokens
+    kinds = st.per_kind
+    assert {"grammar", "target"} <= set(kinds)
+    assert sum(r["drafted"] for r in kinds.values()) == st.drafted
+    assert sum(r["accepted"] for k, r in kinds.items() if k != "target") == st.accepted
+    assert sum(r["supplied"] for r in kinds.values()) == st.output_tokens
+    assert kinds["grammar"]["accepted"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 4, 12])
+def test_grammar_and_hybrid_greedy_identity(smol, compiled, k):
+    constraint = compiled[[p for p in SCHEMAS if p.endswith("event.json")][0]]
+    target = tiny_llama(49152 + 64, seed=31, init=0.3)
+    prompt = smol.tokenizer("Spring Robotics Meetup, Oslo Science Park, 2025-04-17: Ingrid, Lars.")["input_ids"]
+    base = decode(target, constraint, prompt, max_new_tokens=50)
+    tok = tokenize_with(smol.tokenizer)
+    for drafter in (GrammarDrafter(constraint, tok), HybridDrafter([GrammarDrafter(constraint, tok), LookupDrafter(constraint)])):
+        res = decode(target, constraint, prompt, drafter=drafter, k=k, max_new_tokens=50)
+        assert res.tokens == base.tokens
