@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .api import generate_json
-from .constraint import DEFAULT_JSON_WHITESPACE, compile_regex, load_schema, schema_to_regex
+from .constraint import compile_regex, load_schema, schema_to_regex
 from .models import ModelHandle, resolve_model
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "extraction.jsonl"
@@ -68,12 +68,13 @@ def load_prompts(path: Path | str = DEFAULT_PROMPTS) -> list[dict[str, Any]]:
     return items
 
 
-def _outlines_generator(handle: ModelHandle, schema: dict, whitespace: str) -> Any:
+def _outlines_generator(handle: ModelHandle, regex: str) -> Any:
+    """outlines' own transformers generator over the very same regex (same language, same layout)."""
     import outlines
-    from outlines.types import JsonSchema
+    from outlines.types import Regex
 
     model = outlines.from_transformers(handle.model, handle.tokenizer)
-    return outlines.Generator(model, JsonSchema(json.dumps(schema), whitespace_pattern=whitespace))
+    return outlines.Generator(model, Regex(regex))
 
 
 def run_bench(
@@ -95,7 +96,8 @@ def run_bench(
     generate_json(handle, {"type": "boolean"}, "Is water wet?", drafter="none", max_new_tokens=4)
     for i, item in enumerate(items):
         schema, _ = load_schema(item["schema_path"])
-        compile_regex(schema_to_regex(schema), handle.vocabulary)  # compile outside the timings
+        regex = schema_to_regex(schema)
+        compile_regex(regex, handle.vocabulary)  # compile outside the timings
         base_value = None
         for name, drafter in configs.items():
             t0 = time.perf_counter()
@@ -114,7 +116,7 @@ def run_bench(
                 base_value = value
             fig.identical += value == base_value
         if ref is not None:
-            gen = _outlines_generator(handle, schema, DEFAULT_JSON_WHITESPACE)
+            gen = _outlines_generator(handle, regex)
             text = handle.tokenizer.apply_chat_template(
                 [{"role": "user", "content": item["prompt"]}], add_generation_prompt=True, tokenize=False)
             gen(text, max_new_tokens=2, do_sample=False)  # compile its own index outside the timing
