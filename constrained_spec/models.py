@@ -117,6 +117,9 @@ def load_model(
     key = (str(name_or_path), str(dtype), str(device))
     if key in _LOADED:
         return _LOADED[key]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the weights load in about a second; no bar needed
     if name_or_path is None:
         handle = _load_default(dtype, device)
     else:
