@@ -3,9 +3,11 @@
 Data flow: constraint -> drafters -> verifier -> decoder -> api -> cli.
 """
 
-from .api import DEFAULT_K_MAX, SpecOptions, generate_json, generate_regex, validate_json_output
+from .api import DRAFTERS, SpecOptions, generate_json, generate_regex, validate_json_output
 from .constraint import Constraint, TokenVocabulary, compile_regex, load_schema, schema_to_regex
-from .decoder import DecodeResult, DecodeStats, FixedK, SpeculativeDecoder, decode
+from .decoder import DecodeResult, DecodeStats, SpeculativeDecoder, decode
+from .kpolicy import AdaptiveK, FixedK, optimal_k
+from .profiles import K_MAX_PROFILES, detect_profile
 from .drafters import Draft, Drafter, LookupDrafter, ModelDrafter
 from .errors import (
     ConstrainedSpecError,
@@ -23,10 +25,10 @@ from .models import ModelHandle, load_model
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_K_MAX", "Constraint", "ConstrainedSpecError", "DecodeResult", "DecodeStats", "Draft", "Drafter",
+    "DRAFTERS", "AdaptiveK", "K_MAX_PROFILES", "detect_profile", "Constraint", "ConstrainedSpecError", "DecodeResult", "DecodeStats", "Draft", "Drafter",
     "FixedK", "InvalidPromptError", "InvalidRegexError", "InvalidSchemaError", "LookupDrafter", "ModelDrafter",
     "ModelHandle", "ModelLoadError", "OutputValidationError", "SpecOptions", "SpeculativeDecoder",
     "TokenLimitError", "TokenVocabulary", "TokenizerMismatchError", "UnsupportedSchemaFeatureError",
-    "compile_regex", "decode", "generate_json", "generate_regex", "load_model", "load_schema",
+    "compile_regex", "optimal_k", "decode", "generate_json", "generate_regex", "load_model", "load_schema",
     "schema_to_regex", "validate_json_output",
 ]

@@ -13,47 +13,57 @@ from typing import Any, Literal
 
 from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, compile_regex, load_schema, schema_to_regex
 from .decoder import DecodeStats, decode
+from .kpolicy import AdaptiveK, FixedK, KPolicy
+from .profiles import k_max_for
 from .drafters import Drafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .errors import InvalidPromptError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
 
 DrafterName = Literal["none", "model", "lookup", "grammar", "hybrid", "auto"]
 
-#: Default K_max per drafter on this CPU: a target forward costs about the same for 1 or 10
-#: tokens, so a free deterministic draft may be long; a model draft pays per token.
-DEFAULT_K_MAX = {"lookup": 8, "grammar": 12, "hybrid": 12, "model": 4, "none": 0}
+DRAFTERS = ("none", "model", "lookup", "grammar", "hybrid", "auto")
 
 
 @dataclass(frozen=True)
 class SpecOptions:
-    """Speculation options, validated once."""
+    """Speculation options, validated once. ``k_max`` comes from the hardware / task profile
+    unless given; ``adaptive`` picks K per step within it (else K = k_max every step)."""
 
     drafter: str
     k_max: int
     temperature: float
     seed: int | None
     max_new_tokens: int
+    profile: str = "cpu"
+    adaptive: bool = True
 
     @staticmethod
-    def build(drafter: str, draft: Any, k_max: int | None, temperature: float, seed: int | None, max_new_tokens: int) -> "SpecOptions":
+    def build(drafter: str, draft: Any, k_max: int | None, temperature: float, seed: int | None,
+              max_new_tokens: int, *, task: str = "json", profile: str | None = None,
+              adaptive: bool = True) -> "SpecOptions":
         """Resolve ``auto`` and defaults; raise ``ValueError`` naming the bad option."""
-        if drafter not in DEFAULT_K_MAX and drafter != "auto":
-            raise ValueError(
-                f"Invalid drafter: expected one of 'none', 'model', 'lookup', 'grammar', 'hybrid', 'auto', got {drafter!r}."
-            )
+        if drafter not in DRAFTERS:
+            raise ValueError(f"Invalid drafter: expected one of {', '.join(map(repr, DRAFTERS))}, got {drafter!r}.")
         if drafter == "model" and draft is None:
-            raise ValueError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='lookup'.")
+            raise ValueError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='hybrid'.")
         if drafter == "auto":
             drafter = "hybrid"  # forced text, then lookup, then the draft model when given
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"Invalid max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}.")
+        profile, profile_k = k_max_for(profile, task)
         if k_max is None:
-            k_max = DEFAULT_K_MAX[drafter]
+            k_max = profile_k if drafter != "none" else 0
         if not isinstance(k_max, int) or k_max < 0:
             raise ValueError(f"Invalid k_max: expected an integer >= 0, got {k_max!r}.")
         if not isinstance(temperature, (int, float)) or temperature < 0:
             raise ValueError(f"Invalid temperature: expected a number >= 0, got {temperature!r}.")
-        return SpecOptions(drafter, k_max, float(temperature), seed, max_new_tokens)
+        return SpecOptions(drafter, k_max, float(temperature), seed, max_new_tokens, profile, adaptive)
+
+    def k_policy(self) -> KPolicy:
+        """The K policy for one request."""
+        if self.drafter == "none" or not self.adaptive:
+            return FixedK(self.k_max if self.drafter != "none" else 0)
+        return AdaptiveK(self.k_max, costly_draft=self.drafter == "model")
 
 
 def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
@@ -105,9 +115,13 @@ def _run(
     seed: int | None,
     max_new_tokens: int,
     k_max: int | None,
+    task: str,
+    profile: str | None,
+    adaptive: bool,
 ) -> tuple[str, DecodeStats]:
     """Validate everything, compile, decode; the text and the stats, or a clear error."""
-    opts = SpecOptions.build(drafter, draft, k_max, temperature, seed, max_new_tokens)
+    opts = SpecOptions.build(drafter, draft, k_max, temperature, seed, max_new_tokens,
+                             task=task, profile=profile, adaptive=adaptive)
     handle = resolve_model(model)
     constraint = constraint_for(handle)
     prompt_ids = encode_prompt(handle, prompt)
@@ -117,11 +131,13 @@ def _run(
         constraint,
         prompt_ids,
         drafter=spec_drafter,
-        k=opts.k_max,
+        k_policy=opts.k_policy(),
         temperature=opts.temperature,
         seed=opts.seed,
         max_new_tokens=opts.max_new_tokens,
     )
+    result.stats.profile = opts.profile
+    result.stats.k_max = opts.k_max
     text = handle.tokenizer.decode(result.tokens, skip_special_tokens=False)
     if not result.finished:
         raise TokenLimitError(text, opts.max_new_tokens)
@@ -140,6 +156,8 @@ def generate_json(
     max_new_tokens: int = 512,
     k_max: int | None = None,
     whitespace: str = DEFAULT_JSON_WHITESPACE,
+    profile: str | None = None,
+    adaptive: bool = True,
     return_stats: bool = False,
 ) -> Any:
     """Generate a JSON value that validates against ``schema``.
@@ -158,8 +176,12 @@ def generate_json(
         seed: makes sampling reproducible.
         max_new_tokens: the generation limit; reaching it first raises ``TokenLimitError``
             carrying the partial text.
-        k_max: the draft length K (default per drafter, see ``DEFAULT_K_MAX``).
-        whitespace: regex of the whitespace allowed at each structural point.
+        k_max: the most tokens verified per step; default from the hardware / task profile.
+        whitespace: the JSON layout: "canonical" (``json.dumps`` style, the default),
+            "flexible", "compact", or a whitespace regex (see ``JSON_LAYOUTS``).
+        profile: hardware profile for K_max ("cpu", "a100-80gb", "h100-80gb", "h100-80gb-x8",
+            "gb200-nvl72"); default ``$CONSTRAINED_SPEC_PROFILE`` or detected from the device.
+        adaptive: choose K each step from online acceptance and cost estimates (else K = k_max).
         return_stats: also return a ``DecodeStats``.
 
     Returns:
@@ -178,6 +200,9 @@ def generate_json(
         seed=seed,
         max_new_tokens=max_new_tokens,
         k_max=k_max,
+        task="json",
+        profile=profile,
+        adaptive=adaptive,
     )
     value = validate_json_output(text, schema_dict, model_cls)
     return (value, stats) if return_stats else value
@@ -216,6 +241,8 @@ def generate_regex(
     seed: int | None = None,
     max_new_tokens: int = 512,
     k_max: int | None = None,
+    profile: str | None = None,
+    adaptive: bool = True,
     return_stats: bool = False,
 ) -> Any:
     """Generate a string that fully matches ``pattern``; options as in ``generate_json``.
@@ -240,6 +267,9 @@ def generate_regex(
         seed=seed,
         max_new_tokens=max_new_tokens,
         k_max=k_max,
+        task="text",
+        profile=profile,
+        adaptive=adaptive,
     )
     if not compiled.fullmatch(text):
         raise OutputValidationError(text, f"does not fully match {pattern!r}")

@@ -1,4 +1,4 @@
-"""Side-by-side benchmark: target-only vs speculative decoding, plus outlines as an outside reference.
+"""Side-by-side benchmark: target-only vs every drafter and K policy, plus outlines as a reference.
 
 All configurations run in one process, interleaved prompt by prompt, so machine noise hits them
 alike; figures are reported as ratios against target-only decoding measured in the same run.
@@ -10,13 +10,37 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .api import generate_json
 from .constraint import compile_regex, load_schema, schema_to_regex
+from .decoder import DecodeStats
 from .models import ModelHandle, resolve_model
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "extraction.jsonl"
+BASELINE = "target-only"
+DEFAULT_CONFIG = "hybrid, adaptive K (auto)"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row: a drafter and a K policy (``k_max=None``: the profile's cap)."""
+
+    name: str
+    drafter: str
+    k_max: int | None = None
+    adaptive: bool = True
+
+
+def default_configs(fixed_ks: tuple[int, ...] = (2, 4, 8, 12)) -> list[BenchConfig]:
+    """Target-only, each drafter alone, hybrid at fixed K values, and hybrid adaptive (the default)."""
+    return [
+        BenchConfig(BASELINE, "none"),
+        BenchConfig("lookup", "lookup"),
+        BenchConfig("grammar", "grammar"),
+        *[BenchConfig(f"hybrid, fixed K={k}", "hybrid", k, adaptive=False) for k in fixed_ks],
+        BenchConfig(DEFAULT_CONFIG, "hybrid"),
+    ]
 
 
 @dataclass
@@ -32,7 +56,26 @@ class ConfigFigures:
     constraint_seconds: float = 0.0
     identical: int = 0
     prompts: int = 0
+    per_kind: dict[str, dict[str, int]] = field(default_factory=dict)
     outputs: list[Any] = field(default_factory=list)
+    traces: list[DecodeStats] = field(default_factory=list)
+
+    def add(self, stats: DecodeStats, seconds: float, value: Any, baseline_value: Any) -> None:
+        """Fold one generation in."""
+        self.seconds += seconds
+        self.output_tokens += stats.output_tokens
+        self.target_forwards += stats.target_forwards
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        self.constraint_seconds += stats.constraint_seconds
+        self.prompts += 1
+        self.identical += value == baseline_value
+        self.outputs.append(value)
+        self.traces.append(stats)
+        for kind, row in stats.per_kind.items():
+            mine = self.per_kind.setdefault(kind, {"drafted": 0, "accepted": 0, "supplied": 0})
+            for key in mine:
+                mine[key] += row[key]
 
     @property
     def tokens_per_second(self) -> float:
@@ -42,6 +85,7 @@ class ConfigFigures:
     def summary(self, baseline: "ConfigFigures") -> dict[str, Any]:
         """The row printed and written with ``--json``."""
         tps = self.tokens_per_second
+        kinds = {k: r for k, r in self.per_kind.items() if k != "target" and r["drafted"]}
         return {
             "config": self.name,
             "output_tokens": self.output_tokens,
@@ -50,6 +94,9 @@ class ConfigFigures:
             "speedup_vs_target_only": round(tps / baseline.tokens_per_second, 3) if baseline.tokens_per_second else None,
             "target_forwards_per_token": round(self.target_forwards / self.output_tokens, 3) if self.target_forwards else None,
             "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else None,
+            "acceptance_by_kind": {k: round(r["accepted"] / r["drafted"], 3) for k, r in kinds.items()} or None,
+            "share_of_output_by_kind": {k: round(r["supplied"] / self.output_tokens, 3)
+                                        for k, r in self.per_kind.items()} if self.per_kind and self.output_tokens else None,
             "constraint_ms_per_token": round(1000 * self.constraint_seconds / self.output_tokens, 3)
             if self.target_forwards and self.output_tokens else None,
             "identical_outputs": f"{self.identical}/{self.prompts}",
@@ -81,40 +128,35 @@ def run_bench(
     prompts: Path | str = DEFAULT_PROMPTS,
     *,
     model: Any = None,
-    k_max: int | None = None,
+    configs: list[BenchConfig] | None = None,
     max_new_tokens: int = 256,
+    profile: str | None = None,
     outlines_reference: bool = True,
-    progress: Any = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run every configuration on every prompt; return the figures (see ``ConfigFigures.summary``)."""
     handle = resolve_model(model)
     items = load_prompts(prompts)
-    configs = {"target-only": "none", "lookup": "lookup", "grammar": "grammar", "hybrid (auto)": "hybrid"}
-    figures = {name: ConfigFigures(name) for name in configs}
+    configs = configs or default_configs()
+    figures = {c.name: ConfigFigures(c.name) for c in configs}
     ref = ConfigFigures("outlines + transformers (reference)") if outlines_reference else None
     # Warm up once (first-call allocations, thread pools) so no configuration pays for it.
     generate_json(handle, {"type": "boolean"}, "Is water wet?", drafter="none", max_new_tokens=4)
+    profile_used = None
     for i, item in enumerate(items):
         schema, _ = load_schema(item["schema_path"])
         regex = schema_to_regex(schema)
         compile_regex(regex, handle.vocabulary)  # compile outside the timings
         base_value = None
-        for name, drafter in configs.items():
+        for config in configs:
             t0 = time.perf_counter()
-            value, stats = generate_json(handle, schema, item["prompt"], drafter=drafter, k_max=k_max,
+            value, stats = generate_json(handle, schema, item["prompt"], drafter=config.drafter,  # type: ignore[arg-type]
+                                         k_max=config.k_max, adaptive=config.adaptive, profile=profile,
                                          max_new_tokens=max_new_tokens, return_stats=True)
-            fig = figures[name]
-            fig.seconds += time.perf_counter() - t0
-            fig.output_tokens += stats.output_tokens
-            fig.target_forwards += stats.target_forwards
-            fig.drafted += stats.drafted
-            fig.accepted += stats.accepted
-            fig.constraint_seconds += stats.constraint_seconds
-            fig.prompts += 1
-            fig.outputs.append(value)
-            if base_value is None:
-                base_value = value
-            fig.identical += value == base_value
+            seconds = time.perf_counter() - t0
+            base_value = value if base_value is None else base_value
+            figures[config.name].add(stats, seconds, value, base_value)
+            profile_used = stats.profile
         if ref is not None:
             gen = _outlines_generator(handle, regex)
             text = handle.tokenizer.apply_chat_template(
@@ -131,15 +173,59 @@ def run_bench(
                 pass
         if progress is not None:
             progress(i + 1, len(items))
-    baseline = figures["target-only"]
+    baseline = figures[configs[0].name]
     rows = [f.summary(baseline) for f in figures.values()]
     if ref is not None:
         rows.append(ref.summary(baseline))
+    default = figures.get(DEFAULT_CONFIG) or list(figures.values())[-1]
     return {
         "model": handle.name,
+        "profile": profile_used,
         "prompts": len(items),
-        "k_max": k_max,
         "max_new_tokens": max_new_tokens,
         "rows": rows,
-        "outputs": {item["id"]: figures["hybrid (auto)"].outputs[j] for j, item in enumerate(items)},
+        "outputs": {item["id"]: default.outputs[j] for j, item in enumerate(items)},
+        "trace": _trace(figures[configs[0].name], default, items),
     }
+
+
+def _trace(baseline: ConfigFigures, spec: ConfigFigures, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-step timeline of the longest prompt, target-only vs the default configuration."""
+    j = max(range(len(items)), key=lambda i: spec.traces[i].output_tokens)
+
+    def timeline(stats: DecodeStats) -> dict[str, list[float]]:
+        return {"seconds": [round(t, 4) for t in stats.step_ends], "tokens": stats.tokens_after_step,
+                "k": stats.ks, "accepted": stats.accepted_per_step}
+
+    return {"prompt": items[j]["id"], BASELINE: timeline(baseline.traces[j]), spec.name: timeline(spec.traces[j])}
+
+
+def plot_trace(report: dict[str, Any], path: Path | str) -> Path:
+    """PNG: output tokens over time (target-only vs default) and K per step of the default."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = report["trace"]
+    names = [n for n in trace if n != "prompt"]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5))
+    for name in names:
+        ax1.step(trace[name]["seconds"], trace[name]["tokens"], where="post", label=name)
+    ax1.set_xlabel("seconds since the request started")
+    ax1.set_ylabel("output tokens")
+    ax1.set_title(f"{report['model']}, prompt {trace['prompt']}: tokens over time")
+    ax1.legend()
+    spec = trace[names[-1]]
+    steps = list(range(1, len(spec["k"]) + 1))
+    ax2.bar(steps, spec["k"], color="#bbbbbb", label="K verified")
+    ax2.bar(steps, spec["accepted"], color="#2a7ab9", label="accepted")
+    ax2.set_xlabel("speculative step")
+    ax2.set_ylabel("tokens")
+    ax2.set_title(f"{names[-1]}: K and accepted tokens per step")
+    ax2.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -39,6 +39,8 @@ SeedOpt = typer.Option(None, "--seed", help="Seed for sampling.")
 MaxOpt = typer.Option(512, "--max-new-tokens", help="Generation limit.")
 KOpt = typer.Option(None, "--k-max", help="Draft length K (default per drafter).")
 StatsOpt = typer.Option(False, "--stats", help="Print speed figures to stderr.")
+ProfileOpt = typer.Option(None, "--profile", help="Hardware profile for K_max: cpu, a100-80gb, h100-80gb, h100-80gb-x8, gb200-nvl72 (default: $CONSTRAINED_SPEC_PROFILE or detected).")
+AdaptiveOpt = typer.Option(True, "--adaptive/--fixed-k", help="Choose K per step from measured acceptance and cost, or use K = k-max every step.")
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
 
 
@@ -56,7 +58,8 @@ def _print_stats(stats: Any) -> None:
     err.print(
         f"[dim]{s['output_tokens']} tokens in {s['total_seconds']:.2f}s ({s['tokens_per_second']:.1f} tok/s), "
         f"{s['target_forwards']} target forwards ({s['forwards_per_token']:.2f}/token), drafter {s['drafter']}, "
-        f"acceptance {s['acceptance_rate']:.2f}, K per step {s['ks'][:40]}{'...' if len(s['ks']) > 40 else ''}[/]"
+        f"profile {s['profile']} (K_max {s['k_max']}, {s['k_policy']}), acceptance {s['acceptance_rate']:.2f}, "
+        f"K per step {s['ks'][:40]}{'...' if len(s['ks']) > 40 else ''}[/]"
     )
 
 
@@ -83,6 +86,8 @@ def json_cmd(
     seed: Optional[int] = SeedOpt,
     max_new_tokens: int = MaxOpt,
     k_max: Optional[int] = KOpt,
+    profile: Optional[str] = ProfileOpt,
+    adaptive: bool = AdaptiveOpt,
     stats: bool = StatsOpt,
 ) -> None:
     """Generate JSON that validates against SCHEMA and print it.
@@ -96,7 +101,8 @@ def json_cmd(
     def go() -> None:
         spec = _schema_arg(schema)
         value, st = generate_json(model, spec, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
-                                  seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, return_stats=True)
+                                  seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, profile=profile,
+                                  adaptive=adaptive, return_stats=True)
         if hasattr(value, "model_dump"):
             value = value.model_dump(mode="json")
         print(json.dumps(value, ensure_ascii=False))
@@ -130,6 +136,8 @@ def regex_cmd(
     seed: Optional[int] = SeedOpt,
     max_new_tokens: int = MaxOpt,
     k_max: Optional[int] = KOpt,
+    profile: Optional[str] = ProfileOpt,
+    adaptive: bool = AdaptiveOpt,
     stats: bool = StatsOpt,
 ) -> None:
     """Generate a string that fully matches PATTERN and print it.
@@ -142,7 +150,8 @@ def regex_cmd(
 
     def go() -> None:
         out, st = generate_regex(model, pattern, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
-                                 seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, return_stats=True)
+                                 seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, profile=profile,
+                                  adaptive=adaptive, return_stats=True)
         print(out)
         if stats:
             _print_stats(st)
@@ -182,33 +191,47 @@ def demo_cmd() -> None:
 def bench_cmd(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {id, schema, prompt}; default: benchmarks/extraction.jsonl."),
     model: Optional[str] = ModelOpt,
-    k_max: Optional[int] = KOpt,
+    fixed_k: str = typer.Option("2,4,8,12", "--fixed-k", help="Comma-separated fixed K values to compare with adaptive K."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    profile: Optional[str] = ProfileOpt,
     outlines_reference: bool = typer.Option(True, "--outlines/--no-outlines", help="Include outlines' transformers generator as a reference row."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of tokens over time and K per step."),
 ) -> None:
-    """Target-only vs speculative decoding on the extraction prompts, side by side in one run.
+    """Target-only vs every drafter and K policy on the extraction prompts, side by side in one run.
 
-    Example: constrained-spec bench --json bench-results.json
+    Example: constrained-spec bench --json bench-results.json --plot bench.png
     """
-    from .bench import DEFAULT_PROMPTS, run_bench
+    from .bench import DEFAULT_PROMPTS, default_configs, plot_trace, run_bench
 
     def go() -> None:
-        report = run_bench(prompts or DEFAULT_PROMPTS, model=model, k_max=k_max, max_new_tokens=max_new_tokens,
-                           outlines_reference=outlines_reference,
+        try:
+            ks = tuple(int(k) for k in fixed_k.split(",") if k.strip())
+        except ValueError:
+            raise ValueError(f"Invalid --fixed-k: expected comma-separated integers, got {fixed_k!r}.") from None
+        report = run_bench(prompts or DEFAULT_PROMPTS, model=model, configs=default_configs(ks),
+                           max_new_tokens=max_new_tokens, profile=profile, outlines_reference=outlines_reference,
                            progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))
-        table = Table(title=f"{report['model']}: {report['prompts']} extraction prompts, greedy")
+        table = Table(title=f"{report['model']}: {report['prompts']} extraction prompts, greedy, profile {report['profile']}")
         cols = {"config": "config", "tokens_per_second": "tok/s", "speedup_vs_target_only": "speedup",
-                "target_forwards_per_token": "fwd/token", "acceptance_rate": "accepted",
+                "target_forwards_per_token": "fwd/token", "acceptance_by_kind": "accepted by kind",
                 "constraint_ms_per_token": "constraint ms/tok", "identical_outputs": "identical"}
         for c, header in cols.items():
-            table.add_column(header, justify="left" if c == "config" else "right", no_wrap=True)
+            table.add_column(header, justify="left" if c in ("config", "acceptance_by_kind") else "right", no_wrap=True)
         for row in report["rows"]:
-            table.add_row(*["-" if row[c] is None else str(row[c]) for c in cols])
-        Console(width=max(120, Console().width)).print(table)
+            cells = []
+            for c in cols:
+                v = row[c]
+                if isinstance(v, dict):
+                    v = " ".join(f"{k} {x:.2f}" for k, x in v.items())
+                cells.append("-" if v is None else str(v))
+            table.add_row(*cells)
+        Console(width=max(140, Console().width)).print(table)
         if json_out:
             json_out.write_text(json.dumps(report, indent=2, default=str))
             err.print(f"figures written to {json_out}")
+        if plot:
+            err.print(f"plot written to {plot_trace(report, plot)}")
 
     _run_guarded(go)
 

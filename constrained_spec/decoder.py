@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -16,31 +16,8 @@ from transformers import DynamicCache
 from .constraint import Constraint, apply_mask
 from .drafters import Draft, Drafter
 from .errors import InvalidPromptError
+from .kpolicy import FixedK, KPolicy
 from .verifier import masked_probs, verify_greedy, verify_sampled
-
-
-class KPolicy(Protocol):
-    """Chooses the draft length K of each step."""
-
-    def next_k(self) -> int:
-        """K for the next step (0 means plain decoding)."""
-
-    def update(self, accepted: int, proposed: int) -> None:
-        """Learn from the last step."""
-
-
-@dataclass
-class FixedK:
-    """The baseline policy: always the same K."""
-
-    k: int
-
-    def next_k(self) -> int:
-        """Always ``k``."""
-        return self.k
-
-    def update(self, accepted: int, proposed: int) -> None:
-        """Nothing to learn."""
 
 
 @dataclass
@@ -52,6 +29,8 @@ class DecodeStats:
     """
 
     drafter: str = "none"
+    profile: str = ""
+    k_policy: str = ""
     k_max: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -61,6 +40,9 @@ class DecodeStats:
     acceptance_rate: float = 0.0
     ks: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)
+    #: Seconds since the request started, and output length, at the end of each step.
+    step_ends: list[float] = field(default_factory=list)
+    tokens_after_step: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -95,6 +77,17 @@ class DecodeResult:
     tokens: list[int]
     finished: bool
     stats: DecodeStats
+
+
+def _cut(draft: Draft, keep: int) -> Draft:
+    """The first ``keep`` tokens of a draft, with their states, q rows and kinds."""
+    return Draft(
+        draft.tokens[:keep],
+        draft.states[: keep + 1],
+        draft.q[:keep] if draft.q is not None else None,
+        draft.kind,
+        draft.kinds[:keep] if draft.kinds is not None else None,
+    )
 
 
 class SpeculativeDecoder:
@@ -142,6 +135,7 @@ class SpeculativeDecoder:
         self.cache = DynamicCache(config=target.config)
         self.last = self.prompt_ids[-1]
         self.stats = DecodeStats(drafter=drafter.name if drafter else "none", prompt_tokens=len(prompt_ids))
+        self._started = time.perf_counter()
 
     @torch.no_grad()
     def _forward(self, ids: list[int], keep: int) -> torch.Tensor:
@@ -170,6 +164,9 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         if k > 0 and self.drafter is not None:
             draft = self.drafter.propose(self.prompt_ids + self.output, self.state, k)
+            keep = self.k_policy.trim(draft.token_kinds())
+            if keep < len(draft.tokens):  # verify only the prefix that is expected to pay
+                draft = _cut(draft, keep)
         else:
             draft = Draft([], [self.state])
         t1 = time.perf_counter()
@@ -202,7 +199,7 @@ class SpeculativeDecoder:
             self.finished = True  # only EOS is left: target-only decoding would emit it with p = 1
         t3 = time.perf_counter()
         # 6. Book-keeping for the K policy and the stats.
-        self.k_policy.update(n, k)
+        self.k_policy.update(draft.token_kinds(), n, t2 - t1, t1 - t0)
         st.target_forwards += 1
         st.drafted += k
         st.accepted += n
@@ -212,6 +209,8 @@ class SpeculativeDecoder:
             st.count_kind(kind, drafted=1, accepted=int(i < n))
         if y != self.constraint.eos_token_id:
             st.count_kind("target", accepted=1)
+        st.step_ends.append(t3 - self._started)
+        st.tokens_after_step.append(len(self.output))
         st.draft_seconds += t1 - t0
         st.target_seconds += t2 - t1
         st.constraint_seconds += t3 - t2
@@ -219,7 +218,7 @@ class SpeculativeDecoder:
 
     def run(self) -> Iterator[list[int]]:
         """Prefill, then yield each step's emitted tokens until final, EOS or the token limit."""
-        t0 = time.perf_counter()
+        t0 = self._started = time.perf_counter()
         self.prefill()
         if self.constraint.is_done(self.state):
             self.finished = True
@@ -255,7 +254,7 @@ def decode(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     if drafter is not None and generator is not None and hasattr(drafter, "generator"):
         drafter.generator = generator
-    policy = k_policy or FixedK(k if drafter is not None else 0)
+    policy: KPolicy = k_policy or FixedK(k if drafter is not None else 0)
     dec = SpeculativeDecoder(
         target,
         constraint,
@@ -266,7 +265,8 @@ def decode(
         generator=generator,
         max_new_tokens=max_new_tokens,
     )
-    dec.stats.k_max = k if drafter is not None else 0
+    dec.stats.k_max = getattr(policy, "k_max", getattr(policy, "k", 0)) if drafter is not None else 0
+    dec.stats.k_policy = type(policy).__name__
     for _ in dec.run():
         pass
     return DecodeResult(dec.output, dec.finished, dec.stats)

@@ -265,8 +265,10 @@ class HybridDrafter:
 
     name = "hybrid"
 
-    def __init__(self, parts: list[Any]) -> None:
+    def __init__(self, parts: list[Any], *, max_model_tokens: int = 4) -> None:
         self.parts = parts
+        #: A draft model pays per token, so its share of one proposal is capped.
+        self.max_model_tokens = max_model_tokens
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Reset every part."""
@@ -282,7 +284,10 @@ class HybridDrafter:
         while len(tokens) < k:
             grew = False
             for part in self.parts:
-                d = part.propose(context + tokens, states[-1], k - len(tokens))
+                room = k - len(tokens)
+                if part.name == "model":
+                    room = min(room, self.max_model_tokens)
+                d = part.propose(context + tokens, states[-1], room)
                 if not d.tokens:
                     continue
                 tokens += d.tokens

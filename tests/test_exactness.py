@@ -163,9 +163,12 @@ def _greedy_tokenize(text: str) -> list[int]:
     return out
 
 
-def test_hybrid_drafter_with_mixed_q_is_exact(setup):
-    """Forced, copied (one-hot q) and model (sampled q) tokens in one draft."""
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
+def test_hybrid_drafter_with_mixed_q_is_exact(setup, adaptive):
+    """Forced, copied (one-hot q) and model (sampled q) tokens in one draft; with the adaptive
+    policy the verified length also varies with the kinds drafted, which must not bias it."""
     from constrained_spec.drafters import GrammarDrafter, HybridDrafter
+    from constrained_spec.kpolicy import AdaptiveK, FixedK
 
     _, target, draft = setup
     vocab = TokenVocabulary.build(TOKENS, EOS, size=7)
@@ -176,7 +179,9 @@ def test_hybrid_drafter_with_mixed_q_is_exact(setup):
     kinds: set[str] = set()
 
     def draw(seed):
-        res = decode(target, constraint, PROMPT, drafter=hybrid, k=4, temperature=1.0, seed=seed, max_new_tokens=16)
+        policy = AdaptiveK(4) if adaptive else FixedK(4)
+        res = decode(target, constraint, PROMPT, drafter=hybrid, k_policy=policy, temperature=1.0, seed=seed,
+                     max_new_tokens=16)
         kinds.update(k for k, row in res.stats.per_kind.items() if row["drafted"])
         return res.tokens
 

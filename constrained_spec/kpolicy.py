@@ -1,0 +1,189 @@
+"""Choosing the draft length K: a fixed baseline and an adaptive policy.
+
+The adaptive policy estimates online, per drafter kind, the probability alpha that a drafted
+token is accepted given that the ones before it were, and the cost of a step:
+verify(K) = t0 + t1 K (fitted on the step timings) plus the draft's own cost per token. It
+chooses K by the expected tokens per unit of time (Leviathan et al. 2023):
+
+    K* = argmax_K (1 - a^(K+1)) / ((1 - a)(K c + 1)),   c = (draft cost + t1) / t0
+
+For deterministic drafters (forced text, lookup) the draft is free and its tokens are known
+before the target runs, so the same objective picks how much of the proposal to verify, with
+the survival probability of each position taken from the kind that drafted it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+#: Priors for alpha per drafter kind (seeds before any request has been seen). They are
+#: overwritten by what recent requests measured (``_RECENT_ALPHA``).
+PRIOR_ALPHA = {"grammar": 0.85, "lookup": 0.5, "model": 0.6}
+#: Prior cost of one extra verified token, as a fraction of a one-token forward (CPU, measured).
+PRIOR_C_VERIFY = 0.1
+_RECENT_ALPHA: dict[str, float] = {}
+
+
+class KPolicy(Protocol):
+    """Chooses the draft length of each step."""
+
+    def next_k(self) -> int:
+        """How many tokens the drafter may propose (0 means plain decoding)."""
+
+    def trim(self, kinds: Sequence[str]) -> int:
+        """How many of the proposed tokens (of these kinds) to send to the verifier."""
+
+    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float, draft_seconds: float) -> None:
+        """Learn from the last step."""
+
+
+@dataclass
+class FixedK:
+    """The baseline: always propose and verify up to ``k`` tokens."""
+
+    k: int
+
+    def next_k(self) -> int:
+        """Always ``k``."""
+        return self.k
+
+    def trim(self, kinds: Sequence[str]) -> int:
+        """Verify the whole proposal."""
+        return len(kinds)
+
+    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float, draft_seconds: float) -> None:
+        """Nothing to learn."""
+
+
+def optimal_k(alpha: float, c: float, k_max: int) -> int:
+    """argmax over K in 0..k_max of (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1))."""
+    alpha = min(max(alpha, 1e-6), 1 - 1e-6)
+    best_k, best = 0, 1.0  # K = 0: one token per unit cost
+    for k in range(1, k_max + 1):
+        value = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+        if value > best + 1e-12:
+            best_k, best = k, value
+    return best_k
+
+
+@dataclass
+class _LinearCost:
+    """Least-squares fit of verify seconds = t0 + t1 * k, with a prior ratio until data varies."""
+
+    n: float = 0.0
+    sk: float = 0.0
+    skk: float = 0.0
+    st: float = 0.0
+    skt: float = 0.0
+
+    def add(self, k: int, t: float) -> None:
+        self.n += 1
+        self.sk += k
+        self.skk += k * k
+        self.st += t
+        self.skt += k * t
+
+    def one_token_seconds(self) -> float:
+        """Estimated t0, the time of a one-token verify pass."""
+        if not self.n:
+            return 0.0
+        mean_k, mean_t = self.sk / self.n, self.st / self.n
+        return mean_t / (1 + self.ratio() * mean_k)
+
+    def ratio(self) -> float:
+        """t1 / t0: the cost of one more verified token relative to a one-token pass."""
+        var = self.n * self.skk - self.sk * self.sk
+        if self.n < 4 or var <= 1e-9:
+            return PRIOR_C_VERIFY
+        t1 = (self.n * self.skt - self.sk * self.st) / var
+        t0 = (self.st - t1 * self.sk) / self.n
+        if t0 <= 0:
+            return PRIOR_C_VERIFY
+        return min(max(t1 / t0, 0.0), 2.0)
+
+
+@dataclass
+class AdaptiveK:
+    """Online acceptance and cost estimates; K from the expected-throughput formula.
+
+    Args:
+        k_max: the profile's cap.
+        costly_draft: True for a draft model (K is chosen before drafting, each token costs);
+            False for deterministic drafters (propose up to k_max, then trim).
+        decay: forgetting factor of the acceptance counts, so estimates follow the request.
+    """
+
+    k_max: int
+    costly_draft: bool = False
+    decay: float = 0.9
+    prior_weight: float = 4.0
+    _succ: dict[str, float] = field(default_factory=dict)
+    _trials: dict[str, float] = field(default_factory=dict)
+    _cost: _LinearCost = field(default_factory=_LinearCost)
+    _draft_per_token: float = 0.0
+    _skipped: int = 0
+    _seed: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Seed this request from what recent requests measured (a snapshot: this request's
+        # own updates must not feed back into its prior).
+        self._seed = {**PRIOR_ALPHA, **_RECENT_ALPHA}
+
+    def alpha(self, kind: str) -> float:
+        """Current acceptance estimate of a kind, seeded from recent requests or the prior."""
+        seed = self._seed.get(kind, 0.5)
+        s, t = self._succ.get(kind, 0.0), self._trials.get(kind, 0.0)
+        return (s + seed * self.prior_weight) / (t + self.prior_weight)
+
+    def c(self) -> float:
+        """Cost of one more drafted-and-verified token relative to a one-token step."""
+        t0 = self._cost.one_token_seconds()
+        draft = self._draft_per_token / t0 if t0 > 0 else 0.0
+        return self._cost.ratio() + (draft if self.costly_draft else 0.0)
+
+    def next_k(self) -> int:
+        """For a draft model, the formula's K; for free drafters, the cap (trimmed later)."""
+        if self.costly_draft:
+            return optimal_k(self.alpha("model"), self.c(), self.k_max)
+        return self.k_max
+
+    def trim(self, kinds: Sequence[str]) -> int:
+        """The prefix length maximizing expected emitted tokens per unit of step cost.
+
+        Decided position by position (stop at the first token that does not raise the
+        objective, which is unimodal because survival only falls), so whether position i is
+        verified depends on the kinds of positions 1..i only, which are fixed before x_i is
+        drawn. Looking further ahead would make the verified length depend on sampled draft
+        tokens and bias the output distribution.
+        """
+        c = self._cost.ratio()
+        survive, expected, value, keep = 1.0, 1.0, 1.0, 0
+        for j, kind in enumerate(kinds[: self.k_max], start=1):
+            survive *= self.alpha(kind)
+            nxt = (expected + survive) / (1 + c * j)
+            if nxt <= value + 1e-12:
+                break
+            expected, value, keep = expected + survive, nxt, j
+        if keep == 0 and kinds:
+            # Probe now and then, so an estimate that fell too low can recover.
+            self._skipped += 1
+            if self._skipped % 8 == 0:
+                keep = 1
+        return keep
+
+    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float, draft_seconds: float) -> None:
+        """Count accepted / examined positions per kind; refit the cost model."""
+        for kind in set(self._succ) | set(kinds):
+            self._succ[kind] = self._succ.get(kind, 0.0) * self.decay
+            self._trials[kind] = self._trials.get(kind, 0.0) * self.decay
+        for i, kind in enumerate(kinds[: accepted + 1]):  # positions after the first rejection were not examined
+            self._trials[kind] += 1
+            self._succ[kind] += i < accepted
+        for kind in set(kinds):
+            _RECENT_ALPHA[kind] = self.alpha(kind)
+        k = len(kinds)
+        self._cost.add(k, verify_seconds)
+        if k and self.costly_draft and draft_seconds > 0:
+            per = draft_seconds / k
+            self._draft_per_token = per if not self._draft_per_token else 0.8 * self._draft_per_token + 0.2 * per

@@ -1,0 +1,93 @@
+"""The K policies and the hardware / task profiles."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from constrained_spec import ModelHandle, generate_json
+from constrained_spec.kpolicy import AdaptiveK, FixedK, _RECENT_ALPHA, optimal_k
+from constrained_spec.profiles import K_MAX_PROFILES, PROFILE_ENV, detect_profile, k_max_for, profile_for_device
+from tests.conftest import tiny_llama
+
+
+@pytest.mark.parametrize("alpha, c, k_max", itertools.product([0.05, 0.3, 0.5, 0.7, 0.9, 0.99], [0.01, 0.1, 0.5, 2.0], [1, 4, 12]))
+def test_optimal_k_is_the_argmax_of_the_formula(alpha, c, k_max):
+    ks = np.arange(0, k_max + 1)
+    values = (1 - alpha ** (ks + 1)) / ((1 - alpha) * (ks * c + 1))
+    assert optimal_k(alpha, c, k_max) == int(np.argmax(values))
+
+
+def test_optimal_k_drops_to_plain_decoding_when_speculation_does_not_pay():
+    assert optimal_k(0.05, 0.5, 8) == 0
+    assert optimal_k(0.95, 0.02, 8) == 8
+
+
+def test_trim_is_the_global_argmax_for_mixed_kinds():
+    policy = AdaptiveK(k_max=12)
+    policy._succ = {"grammar": 90.0, "lookup": 3.0, "model": 30.0}
+    policy._trials = {"grammar": 100.0, "lookup": 10.0, "model": 50.0}
+    c = policy._cost.ratio()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        kinds = list(rng.choice(["grammar", "lookup", "model"], size=rng.integers(1, 13)))
+        survive = np.cumprod([policy.alpha(k) for k in kinds])
+        values = np.concatenate([[1.0], (1 + np.cumsum(survive)) / (1 + c * np.arange(1, len(kinds) + 1))])
+        best = int(np.argmax(values))
+        got = policy.trim(kinds)
+        assert got == best or (best == 0 and got == 1)  # 1 = the periodic probe
+
+
+def test_adaptive_estimates_follow_acceptance():
+    _RECENT_ALPHA.clear()
+    policy = AdaptiveK(k_max=8, costly_draft=True)
+    start = policy.alpha("model")
+    for _ in range(30):
+        policy.update(["model"] * 4, 0, 0.05, 0.02)
+    assert policy.alpha("model") < 0.25 < start
+    assert policy.next_k() == 0  # a draft that is always wrong is switched off
+    for _ in range(30):
+        policy.update(["model"] * 4, 4, 0.05, 0.001)
+    assert policy.alpha("model") > 0.8
+    assert policy.next_k() > 0
+    assert _RECENT_ALPHA["model"] == pytest.approx(policy.alpha("model"))  # seeds the next request
+    _RECENT_ALPHA.clear()
+
+
+def test_fixed_k_verifies_everything():
+    assert FixedK(3).next_k() == 3 and FixedK(3).trim(["lookup"] * 3) == 3
+
+
+@pytest.mark.parametrize("name, count, profile", [
+    ("NVIDIA A100-SXM4-80GB", 1, "a100-80gb"), ("NVIDIA H100 80GB HBM3", 1, "h100-80gb"),
+    ("NVIDIA H100 80GB HBM3", 8, "h100-80gb-x8"), ("NVIDIA H200", 1, "h100-80gb"), ("NVIDIA GB200", 72, "gb200-nvl72"),
+])
+def test_profile_from_device(name, count, profile):
+    assert profile_for_device(name, count) == profile
+
+
+def test_profile_override_and_values(monkeypatch):
+    monkeypatch.setenv(PROFILE_ENV, "gb200-nvl72")
+    assert detect_profile() == "gb200-nvl72"
+    assert k_max_for(None, "json") == ("gb200-nvl72", 12)
+    monkeypatch.delenv(PROFILE_ENV)
+    assert detect_profile() == "cpu"  # no accelerator on the test machines
+    assert K_MAX_PROFILES["a100-80gb"] == {"text": 4, "code": 3, "json": 6, "chat": 5}
+    assert k_max_for("h100-80gb", "chat") == ("h100-80gb", 6)
+    with pytest.raises(ValueError, match="Invalid profile"):
+        k_max_for("tpu-v5", "json")
+    monkeypatch.setenv(PROFILE_ENV, "nonsense")
+    with pytest.raises(ValueError, match="Invalid profile"):
+        detect_profile()
+
+
+def test_stats_report_profile_and_k_max(smol_tokenizer):
+    handle = ModelHandle(tiny_llama(49152, seed=5, init=0.3), smol_tokenizer, "tiny")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    _, stats = generate_json(handle, schema, "ok?", profile="h100-80gb", return_stats=True)
+    assert (stats.profile, stats.k_max, stats.k_policy) == ("h100-80gb", 8, "AdaptiveK")
+    _, stats = generate_json(handle, schema, "ok?", profile="gb200-nvl72", adaptive=False, return_stats=True)
+    assert (stats.profile, stats.k_max, stats.k_policy) == ("gb200-nvl72", 12, "FixedK")
+    assert max(stats.ks) <= 12
