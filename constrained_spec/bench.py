@@ -180,6 +180,7 @@ def run_bench(
     default = figures.get(DEFAULT_CONFIG) or list(figures.values())[-1]
     return {
         "model": handle.name,
+        "dtype": str(handle.model.dtype).replace("torch.", ""),
         "profile": profile_used,
         "prompts": len(items),
         "max_new_tokens": max_new_tokens,
@@ -214,7 +215,7 @@ def plot_trace(report: dict[str, Any], path: Path | str) -> Path:
         ax1.step(trace[name]["seconds"], trace[name]["tokens"], where="post", label=name)
     ax1.set_xlabel("seconds since the request started")
     ax1.set_ylabel("output tokens")
-    ax1.set_title(f"{report['model']}, prompt {trace['prompt']}: tokens over time")
+    ax1.set_title(f"{report['model']} ({report['dtype']}), prompt {trace['prompt']}: tokens over time")
     ax1.legend()
     spec = trace[names[-1]]
     steps = list(range(1, len(spec["k"]) + 1))

@@ -41,6 +41,7 @@ KOpt = typer.Option(None, "--k-max", help="Draft length K (default per drafter).
 StatsOpt = typer.Option(False, "--stats", help="Print speed figures to stderr.")
 ProfileOpt = typer.Option(None, "--profile", help="Hardware profile for K_max: cpu, a100-80gb, h100-80gb, h100-80gb-x8, gb200-nvl72 (default: $CONSTRAINED_SPEC_PROFILE or detected).")
 AdaptiveOpt = typer.Option(True, "--adaptive/--fixed-k", help="Choose K per step from measured acceptance and cost, or use K = k-max every step.")
+DtypeOpt = typer.Option(None, "--dtype", help="Model dtype, e.g. float32 or bfloat16 (default: float32 on CPU, bfloat16 on GPU).")
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
 
 
@@ -88,6 +89,7 @@ def json_cmd(
     k_max: Optional[int] = KOpt,
     profile: Optional[str] = ProfileOpt,
     adaptive: bool = AdaptiveOpt,
+    dtype: Optional[str] = DtypeOpt,
     stats: bool = StatsOpt,
 ) -> None:
     """Generate JSON that validates against SCHEMA and print it.
@@ -100,7 +102,7 @@ def json_cmd(
 
     def go() -> None:
         spec = _schema_arg(schema)
-        value, st = generate_json(model, spec, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
+        value, st = generate_json(_model_arg(model, dtype), spec, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
                                   seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, profile=profile,
                                   adaptive=adaptive, return_stats=True)
         if hasattr(value, "model_dump"):
@@ -110,6 +112,15 @@ def json_cmd(
             _print_stats(st)
 
     _run_guarded(go)
+
+
+def _model_arg(model: Optional[str], dtype: Optional[str]) -> Any:
+    """The model as given, or loaded now when a dtype is asked for."""
+    if dtype is None:
+        return model
+    from .models import load_model
+
+    return load_model(model, dtype=dtype)
 
 
 def _schema_arg(schema: str) -> Any:
@@ -138,6 +149,7 @@ def regex_cmd(
     k_max: Optional[int] = KOpt,
     profile: Optional[str] = ProfileOpt,
     adaptive: bool = AdaptiveOpt,
+    dtype: Optional[str] = DtypeOpt,
     stats: bool = StatsOpt,
 ) -> None:
     """Generate a string that fully matches PATTERN and print it.
@@ -149,7 +161,7 @@ def regex_cmd(
     text = _prompt_text(prompt)
 
     def go() -> None:
-        out, st = generate_regex(model, pattern, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
+        out, st = generate_regex(_model_arg(model, dtype), pattern, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
                                  seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, profile=profile,
                                   adaptive=adaptive, return_stats=True)
         print(out)
@@ -194,6 +206,7 @@ def bench_cmd(
     fixed_k: str = typer.Option("2,4,8,12", "--fixed-k", help="Comma-separated fixed K values to compare with adaptive K."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     profile: Optional[str] = ProfileOpt,
+    dtype: Optional[str] = DtypeOpt,
     outlines_reference: bool = typer.Option(True, "--outlines/--no-outlines", help="Include outlines' transformers generator as a reference row."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of tokens over time and K per step."),
@@ -209,10 +222,11 @@ def bench_cmd(
             ks = tuple(int(k) for k in fixed_k.split(",") if k.strip())
         except ValueError:
             raise ValueError(f"Invalid --fixed-k: expected comma-separated integers, got {fixed_k!r}.") from None
-        report = run_bench(prompts or DEFAULT_PROMPTS, model=model, configs=default_configs(ks),
+        report = run_bench(prompts or DEFAULT_PROMPTS, model=_model_arg(model, dtype), configs=default_configs(ks),
                            max_new_tokens=max_new_tokens, profile=profile, outlines_reference=outlines_reference,
                            progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))
-        table = Table(title=f"{report['model']}: {report['prompts']} extraction prompts, greedy, profile {report['profile']}")
+        table = Table(title=f"{report['model']} ({report['dtype']}): {report['prompts']} extraction prompts, greedy, "
+                            f"profile {report['profile']}")
         cols = {"config": "config", "tokens_per_second": "tok/s", "speedup_vs_target_only": "speedup",
                 "target_forwards_per_token": "fwd/token", "acceptance_by_kind": "accepted by kind",
                 "constraint_ms_per_token": "constraint ms/tok", "identical_outputs": "identical"}

@@ -98,6 +98,23 @@ def _load_default(dtype: torch.dtype | None, device: str | torch.device | None) 
 _LOADED: dict[tuple[str, str, str], ModelHandle] = {}
 
 
+def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
+    """float32 on the CPU, bfloat16 (or float16) on a GPU.
+
+    On CPUs with AMX / AVX512-BF16, bfloat16 makes verifying a draft nearly free (a forward
+    over 8 new tokens costs ~1.1x a one-token forward, against ~2x in float32, measured with
+    SmolLM2-135M) and speculation about 2.6x faster than target-only instead of ~1.9x. It is
+    not the default because bf16 rounding differs between a one-token and a multi-token
+    forward, so near-ties can flip and greedy speculative output may differ from target-only
+    output token for token (seen once in our tests: same JSON, another tokenization). Ask for
+    it with ``dtype="bfloat16"`` (``--dtype bfloat16``).
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
 def load_model(
     name_or_path: str | None = None,
     *,
@@ -107,6 +124,8 @@ def load_model(
 ) -> ModelHandle:
     """Load a causal LM and its tokenizer; ``None`` loads the embedded default (SmolLM2-135M-Instruct).
 
+    ``dtype=None`` picks ``default_dtype(device)``: float32 on the CPU, bfloat16 on GPUs.
+
     Loaded handles are memoized by (name, dtype, device), so repeated calls are free. Nothing
     is downloaded when ``HF_HUB_OFFLINE=1``; a hub id works only where the hub is reachable.
     """
@@ -114,6 +133,8 @@ def load_model(
         if not hasattr(torch, dtype):
             raise ModelLoadError(f"Invalid dtype: expected a torch dtype name like 'float32', got {dtype!r}.")
         dtype = getattr(torch, dtype)
+    if dtype is None:
+        dtype = default_dtype(device)
     key = (str(name_or_path), str(dtype), str(device))
     if key in _LOADED:
         return _LOADED[key]
@@ -127,7 +148,7 @@ def load_model(
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
         except (OSError, ValueError) as e:
             raise ModelLoadError(
                 f"Could not load model {name_or_path!r}: {str(e).splitlines()[0]} "
