@@ -15,7 +15,7 @@ from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, compile_regex, load
 from .decoder import DecodeStats, decode
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .profiles import k_max_for
-from .drafters import Drafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
+from .drafters import CopyDrafter, Drafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .errors import InvalidPromptError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
 
@@ -99,7 +99,8 @@ def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint
         grammar = GrammarDrafter(constraint, lambda text: tok(text, add_special_tokens=False)["input_ids"])
         if opts.drafter == "grammar":
             return grammar
-        parts: list[Any] = [grammar, LookupDrafter(constraint)]
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+        parts: list[Any] = [grammar, CopyDrafter(constraint, grammar.tokenize, decode, grammar), LookupDrafter(constraint)]
         return HybridDrafter(parts + ([model_drafter] if model_drafter is not None else []))
     return None
 

@@ -275,6 +275,9 @@ class Constraint:
         self._final = frozenset(index.get_final_states())
         self._masks: dict[int, torch.Tensor] = {}
         self._done: dict[int, bool] = {}
+        #: Per-state caches that drafters keep with the compiled constraint, so they outlive a
+        #: request (forced text, learned tokenizations). Keyed by the drafter's own names.
+        self.memo: dict[str, dict] = {}
 
     def allowed_mask(self, state: int) -> torch.Tensor:
         """Boolean mask of shape ``[vocab.size]``: True where the token is allowed (cached per state)."""

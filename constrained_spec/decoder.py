@@ -183,6 +183,8 @@ class SpeculativeDecoder:
         else:
             verdict = verify_sampled(masked_probs(logits, self.temperature), x, draft.q, self.generator)
         n, y = verdict.accepted, verdict.next_token
+        if draft.tokens and hasattr(self.drafter, "update"):
+            self.drafter.update(draft, n, y)  # type: ignore[union-attr]
         # 5. Roll back: drop the k - n rejected positions from the cache, move the FSM state.
         if k > n:
             self.cache.crop(-(k - n))

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import re
+
 import numpy as np
 import torch
 from transformers import DynamicCache
@@ -55,6 +57,8 @@ class Drafter(Protocol):
 
     def propose(self, context: list[int], state: int, k: int) -> Draft:
         """Up to ``k`` tokens continuing ``context`` (prompt + output so far) from FSM ``state``."""
+
+    # Optional: ``update(draft, accepted, next_token)`` sees each verdict (drafters that learn).
 
 
 def _cut_to_constraint(constraint: Constraint, state: int, tokens: list[int]) -> list[int]:
@@ -204,8 +208,12 @@ class GrammarDrafter:
 
     From a state, the forced bytes are found by walking single-byte tokens while exactly one
     byte is allowed and the state is not final. The text is tokenized as the tokenizer would
-    tokenize it, cut where the FSM rejects, and proposed with a one-hot q. Computed once per
-    FSM state and cached. Costs no model call.
+    tokenize it, cut where the FSM rejects, and proposed with a one-hot q. Costs no model call.
+
+    Cached per FSM state on the constraint (``constraint.memo``), so later requests with the
+    same schema reuse it. When the target rejects a forced token and emits another one in that
+    state (it tokenizes the same text differently, e.g. ``{`` then ``"name`` rather than
+    ``{"`` then ``name``), that token is remembered and proposed first from then on.
     """
 
     name = "grammar"
@@ -217,43 +225,149 @@ class GrammarDrafter:
         for tid, b in constraint.vocab.token_bytes.items():
             if len(b) == 1 and tid != constraint.eos_token_id:
                 self._byte_tokens.setdefault(b[0], tid)
-        self._cache: dict[int, tuple[list[int], list[int]]] = {}
+        self._bytes = constraint.memo.setdefault("grammar.allowed_bytes", {})
+        self._forced = constraint.memo.setdefault("grammar.forced", {})
+        self._learned = constraint.memo.setdefault("grammar.learned", {})
 
     def reset(self, prompt_ids: list[int]) -> None:
-        """Nothing per request: the cache depends on the constraint only."""
+        """Nothing per request: the caches depend on the constraint only."""
+
+    def allowed_bytes(self, state: int) -> dict[int, int]:
+        """Single bytes allowed next from ``state`` and the state after each (cached)."""
+        hit = self._bytes.get(state)
+        if hit is None:
+            c = self.constraint
+            hit = {}
+            for byte, tid in self._byte_tokens.items():
+                nxt = c.next_state(state, tid)
+                if nxt is not None:
+                    hit[byte] = nxt
+            self._bytes[state] = hit
+        return hit
 
     def forced_bytes(self, state: int, limit: int = 256) -> bytes:
         """The bytes every continuation from ``state`` starts with."""
         out = bytearray()
-        c = self.constraint
-        while len(out) < limit and not c.is_final(state):
-            only = None
-            for byte, tid in self._byte_tokens.items():
-                nxt = c.next_state(state, tid)
-                if nxt is not None:
-                    if only is not None:
-                        return bytes(out)
-                    only = (byte, nxt)
-            if only is None:
+        while len(out) < limit and not self.constraint.is_final(state):
+            allowed = self.allowed_bytes(state)
+            if len(allowed) != 1:
                 break
-            out.append(only[0])
-            state = only[1]
+            byte, state = next(iter(allowed.items()))
+            out.append(byte)
         return bytes(out)
 
     def forced(self, state: int) -> tuple[list[int], list[int]]:
         """Tokens of the forced text from ``state`` and the FSM states along them (cached)."""
-        hit = self._cache.get(state)
+        hit = self._forced.get(state)
         if hit is None:
-            text = self.forced_bytes(state).decode("utf-8", errors="ignore")
-            tokens = self.tokenize(text) if text else []
-            states = _cut_to_constraint(self.constraint, state, tokens)
-            hit = self._cache[state] = (tokens[: len(states) - 1], states)
+            learned = self._learned.get(state)
+            if learned is not None:
+                nxt = self.constraint.next_state(state, learned)
+                rest_tokens, rest_states = self.forced(nxt) if nxt is not None else ([], [state])
+                tokens, states = [learned, *rest_tokens], [state, *rest_states]
+            else:
+                text = self.forced_bytes(state).decode("utf-8", errors="ignore")
+                tokens = self.tokenize(text) if text else []
+                states = _cut_to_constraint(self.constraint, state, tokens)
+            hit = self._forced[state] = (tokens[: len(states) - 1], states)
         return hit
 
     def propose(self, context: list[int], state: int, k: int) -> Draft:
         """Up to ``k`` forced tokens; empty where the constraint leaves a choice."""
         tokens, states = self.forced(state)
         return Draft(tokens[:k], states[: min(k, len(tokens)) + 1], None, self.name)
+
+    def update(self, draft: Draft, accepted: int, next_token: int) -> None:
+        """Learn the target's own tokenization where it rejected a forced token."""
+        kinds = draft.token_kinds()
+        if accepted < len(kinds) and kinds[accepted] == self.name and next_token != self.constraint.eos_token_id:
+            state = draft.states[accepted]
+            if self._learned.get(state) != next_token and self.constraint.next_state(state, next_token) is not None:
+                self._learned[state] = next_token
+                self._forced.clear()  # forced spans through this state change
+
+
+_PHRASE_END = re.compile(r'[\n"]|[.,;:!?)(](?=\s|$)')
+_STRUCTURAL = re.compile(r'[\[\]{}",:]')
+
+
+class CopyDrafter:
+    """Copies text from the prompt: the value being written continues as it does in the prompt.
+
+    Matching works on text, not tokens, because a value inside JSON is tokenized differently
+    from the same words in running text (``"B``, ``arc``, ``elona`` against `` Barcelona``).
+    The tail of the current value is looked up in the prompt; its continuation, up to the end
+    of the phrase, is tokenized and proposed. Where the copy ends the value, the closing
+    character and the text the constraint forces after it are appended (``", "age": ``), so a
+    whole field can land in one verify pass. Deterministic: q is one-hot.
+    """
+
+    name = "copy"
+
+    def __init__(self, constraint: Constraint, tokenize: Callable[[str], list[int]],
+                 decode: Callable[[list[int]], str], grammar: GrammarDrafter | None = None,
+                 *, max_chars: int = 48) -> None:
+        self.constraint = constraint
+        self.tokenize = tokenize
+        self.decode = decode
+        self.grammar = grammar
+        self.max_chars = max_chars
+        self.prompt_len = 0
+        self.prompt_text = ""
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Remember the prompt's text."""
+        self.prompt_len = len(prompt_ids)
+        self.prompt_text = self.decode(prompt_ids)
+
+    def _continuation(self, output_text: str) -> tuple[str, bool]:
+        """Prompt text continuing the current value, and whether it stops at a phrase end."""
+        last = None
+        for last in _STRUCTURAL.finditer(output_text):
+            pass
+        value = output_text[last.end():] if last else output_text
+        tail = value.lstrip()[-24:]
+        if not tail:
+            return "", False
+        whole = tail == value.lstrip()
+        start = -1
+        for m in re.finditer(re.escape(tail), self.prompt_text):
+            at_word_start = m.start() == 0 or not self.prompt_text[m.start() - 1].isalnum()
+            if not whole or at_word_start:
+                start = m.end()
+                break
+        if start < 0:
+            return "", False
+        rest = self.prompt_text[start : start + self.max_chars]
+        end = _PHRASE_END.search(rest)
+        return (rest[: end.start()], True) if end else (rest, False)
+
+    def _closing(self, state: int) -> str:
+        """The character that ends the current value here, when only one can, plus forced text."""
+        if self.grammar is None:
+            return ""
+        allowed = self.grammar.allowed_bytes(state)
+        for close in (b'"', b",", b"}", b"]"):
+            if close[0] in allowed and (close == b'"' or sum(b in allowed for b in b",}]") == 1):
+                after = self.grammar.forced_bytes(allowed[close[0]])
+                return (close + after).decode("utf-8", errors="ignore")
+        return ""
+
+    def propose(self, context: list[int], state: int, k: int) -> Draft:
+        """The copied continuation (and the value's end), cut where the FSM rejects it."""
+        if k <= 0 or len(context) <= self.prompt_len:
+            return Draft([], [state], None, self.name)
+        text, phrase_end = self._continuation(self.decode(context[self.prompt_len :]))
+        tokens = self.tokenize(text) if text else []
+        states = _cut_to_constraint(self.constraint, state, tokens)
+        if phrase_end or len(states) <= len(tokens):  # the value ends here, by the prompt or the FSM
+            copied = self.decode(tokens[: len(states) - 1]) if len(states) > 1 else ""
+            closing = self._closing(states[-1])
+            if closing:
+                tokens = self.tokenize(copied + closing)
+                states = _cut_to_constraint(self.constraint, state, tokens)
+        n = min(k, len(states) - 1)
+        return Draft(tokens[:n], states[: n + 1], None, self.name)
 
 
 class HybridDrafter:
@@ -274,6 +388,12 @@ class HybridDrafter:
         """Reset every part."""
         for part in self.parts:
             part.reset(prompt_ids)
+
+    def update(self, draft: Draft, accepted: int, next_token: int) -> None:
+        """Let the parts that learn see the verdict."""
+        for part in self.parts:
+            if hasattr(part, "update"):
+                part.update(draft, accepted, next_token)
 
     def propose(self, context: list[int], state: int, k: int) -> Draft:
         """Concatenate the parts' proposals until ``k`` tokens are drafted."""

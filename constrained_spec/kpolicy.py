@@ -19,7 +19,7 @@ from typing import Protocol, Sequence
 
 #: Priors for alpha per drafter kind (seeds before any request has been seen). They are
 #: overwritten by what recent requests measured (``_RECENT_ALPHA``).
-PRIOR_ALPHA = {"grammar": 0.85, "lookup": 0.5, "model": 0.6}
+PRIOR_ALPHA = {"grammar": 0.85, "copy": 0.7, "lookup": 0.5, "model": 0.6}
 #: Prior cost of one extra verified token, as a fraction of a one-token forward (CPU, measured).
 PRIOR_C_VERIFY = 0.1
 _RECENT_ALPHA: dict[str, float] = {}
