@@ -86,3 +86,68 @@ def test_grammar_and_hybrid_greedy_identity(smol, compiled, k):
     for drafter in (GrammarDrafter(constraint, tok), HybridDrafter([GrammarDrafter(constraint, tok), LookupDrafter(constraint)])):
         res = decode(target, constraint, prompt, drafter=drafter, k=k, max_new_tokens=50)
         assert res.tokens == base.tokens
+
+
+def test_copy_drafter_copies_values_and_closes_them(smol, compiled):
+    from constrained_spec.drafters import CopyDrafter
+
+    constraint = compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]]
+    tok = smol.tokenizer
+    grammar = GrammarDrafter(constraint, tokenize_with(tok))
+    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids), grammar)
+    prompt = tok("Text: Maria Gonzalez is a 34-year-old architect who lives in Barcelona. Bye")["input_ids"]
+    copy.reset(prompt)
+    for written, expected in [('{"name": "Maria', ' Gonzalez'), ('{"name": "Maria Gonzalez", "age": 3', '4, "city": "'),
+                              ('{"name": "Maria Gonzalez", "age": 34, "city": "Bar', 'celona", "occupation": "')]:
+        out = tokenize_with(tok)(written)
+        state = constraint.walk(constraint.initial_state, out)[-1]
+        d = copy.propose(prompt + out, state, 12)
+        assert constraint.walk(state, d.tokens) == d.states
+        assert tok.decode(d.tokens).startswith(expected), (written, tok.decode(d.tokens))
+    # a value start has nothing to copy yet
+    out = tokenize_with(tok)('{"name": "')
+    state = constraint.walk(constraint.initial_state, out)[-1]
+    assert copy.propose(prompt + out, state, 12).tokens == []
+
+
+@pytest.mark.parametrize("path", SCHEMAS, ids=[Path(p).stem for p in SCHEMAS])
+def test_copy_drafts_follow_the_fsm_on_random_walks(smol, compiled, path):
+    from constrained_spec.drafters import CopyDrafter
+
+    constraint = compiled[path]
+    tok = smol.tokenizer
+    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids),
+                       GrammarDrafter(constraint, tokenize_with(tok)))
+    prompt = tok('Maria Gonzalez, 34, Barcelona. INV-2291 Acme Tools GmbH 2024-03-05 1249.50 EUR paid "x" {y}')["input_ids"]
+    copy.reset(prompt)
+    rng = random.Random(1)
+    for _ in range(8):
+        out: list[int] = []
+        state = constraint.initial_state
+        for _ in range(60):
+            d = copy.propose(prompt + out, state, 12)
+            assert constraint.walk(state, d.tokens) == d.states
+            if constraint.is_done(state):
+                break
+            allowed = [t for t in constraint.index.get_allowed_tokens(state) if t != constraint.eos_token_id]
+            t = rng.choice(d.tokens[:1] + allowed[:50]) if allowed else None
+            if t is None:
+                break
+            out.append(t)
+            state = constraint.next_state(state, t)
+
+
+def test_grammar_learns_the_targets_tokenization(smol):
+    schema, _ = load_schema({"type": "object", "properties": {"zzq": {"type": "boolean"}}, "required": ["zzq"]})
+    constraint = compile_regex(schema_to_regex(schema), smol.vocabulary)
+    tok = smol.tokenizer
+    grammar = GrammarDrafter(constraint, tokenize_with(tok))
+    s0 = constraint.initial_state
+    first = grammar.propose([], s0, 12)
+    alt = tok.convert_tokens_to_ids("{")
+    assert first.tokens[0] != alt  # the tokenizer writes '{"' as one token
+    grammar.update(first, 0, alt)  # the target rejected it and wrote '{' instead
+    again = GrammarDrafter(constraint, tokenize_with(tok)).propose([], s0, 12)  # a later request
+    assert again.tokens[0] == alt
+    assert tok.decode(again.tokens) == tok.decode(first.tokens)
+    assert constraint.walk(s0, again.tokens) == again.states
