@@ -3,7 +3,7 @@
 Data flow: constraint -> drafters -> verifier -> decoder -> api -> cli.
 """
 
-from .api import DRAFTERS, SpecOptions, generate_json, generate_regex, validate_json_output
+from .api import DRAFTERS, SpecOptions, TextStream, generate_json, generate_regex, validate_json_output
 from .constraint import Constraint, TokenVocabulary, compile_regex, load_schema, schema_to_regex
 from .decoder import DecodeResult, DecodeStats, SpeculativeDecoder, decode
 from .kpolicy import AdaptiveK, FixedK, optimal_k
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DRAFTERS", "AdaptiveK", "K_MAX_PROFILES", "detect_profile", "Constraint", "ConstrainedSpecError", "DecodeResult", "DecodeStats", "Draft", "Drafter",
     "FixedK", "InvalidPromptError", "InvalidRegexError", "InvalidSchemaError", "LookupDrafter", "ModelDrafter",
-    "ModelHandle", "ModelLoadError", "OutputValidationError", "SpecOptions", "SpeculativeDecoder",
+    "ModelHandle", "ModelLoadError", "OutputValidationError", "SpecOptions", "TextStream", "SpeculativeDecoder",
     "TokenLimitError", "TokenVocabulary", "TokenizerMismatchError", "UnsupportedSchemaFeatureError",
     "compile_regex", "optimal_k", "decode", "generate_json", "generate_regex", "load_model", "load_schema",
     "schema_to_regex", "validate_json_output",

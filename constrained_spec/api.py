@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Iterator, Literal
 
 from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, compile_regex, load_schema, schema_to_regex
-from .decoder import DecodeStats, decode
+from .decoder import DecodeStats, make_decoder
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .profiles import k_max_for
 from .drafters import CopyDrafter, Drafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
@@ -105,9 +105,31 @@ def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint
     return None
 
 
-def _run(
+class TextStream:
+    """Text as the decoder accepts it; iterate to get the pieces (a step may add several tokens).
+
+    After the iteration ends: ``text`` (the whole output), ``stats`` and ``value`` (the parsed,
+    validated result). Errors (token limit, validation) are raised at the end of the iteration,
+    after every valid piece was yielded.
+    """
+
+    def __init__(self, pieces: Iterator[str], finish: Callable[[str], Any]) -> None:
+        self._pieces = pieces
+        self._finish = finish
+        self.text = ""
+        self.stats: DecodeStats | None = None
+        self.value: Any = None
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._pieces:
+            self.text += piece
+            yield piece
+        self.value = self._finish(self.text)
+
+
+def _stream(
     model: Any,
-    constraint_for: Any,
+    constraint_for: Callable[[ModelHandle], Constraint],
     prompt: str,
     *,
     draft: Any,
@@ -119,30 +141,52 @@ def _run(
     task: str,
     profile: str | None,
     adaptive: bool,
-) -> tuple[str, DecodeStats]:
-    """Validate everything, compile, decode; the text and the stats, or a clear error."""
+    on_stats: Callable[[DecodeStats], None],
+) -> Iterator[str]:
+    """Validate everything, compile, then decode, yielding text pieces; raise ``TokenLimitError`` at the end."""
     opts = SpecOptions.build(drafter, draft, k_max, temperature, seed, max_new_tokens,
                              task=task, profile=profile, adaptive=adaptive)
     handle = resolve_model(model)
     constraint = constraint_for(handle)
     prompt_ids = encode_prompt(handle, prompt)
-    spec_drafter = _make_drafter(opts, handle, draft, constraint)
-    result = decode(
+    dec = make_decoder(
         handle.model,
         constraint,
         prompt_ids,
-        drafter=spec_drafter,
+        drafter=_make_drafter(opts, handle, draft, constraint),
         k_policy=opts.k_policy(),
         temperature=opts.temperature,
         seed=opts.seed,
         max_new_tokens=opts.max_new_tokens,
     )
-    result.stats.profile = opts.profile
-    result.stats.k_max = opts.k_max
-    text = handle.tokenizer.decode(result.tokens, skip_special_tokens=False)
-    if not result.finished:
+    dec.stats.profile = opts.profile
+    dec.stats.k_max = opts.k_max
+    return _pieces(handle, dec, opts, on_stats)
+
+
+def _pieces(handle: ModelHandle, dec: Any, opts: SpecOptions, on_stats: Callable[[DecodeStats], None]) -> Iterator[str]:
+    tok = handle.tokenizer
+    shown = ""
+    for _ in dec.run():
+        text = tok.decode(dec.output, skip_special_tokens=False)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+            continue
+        if len(text) > len(shown):
+            yield text[len(shown):]
+            shown = text
+    text = tok.decode(dec.output, skip_special_tokens=False)
+    if len(text) > len(shown):
+        yield text[len(shown):]
+    on_stats(dec.stats)
+    if not dec.finished:
         raise TokenLimitError(text, opts.max_new_tokens)
-    return text, result.stats
+
+
+def _run(model: Any, constraint_for: Callable[[ModelHandle], Constraint], prompt: str, **options: Any) -> tuple[str, DecodeStats]:
+    """Decode to the end; the text and the stats, or a clear error."""
+    box: list[DecodeStats] = []
+    text = "".join(_stream(model, constraint_for, prompt, on_stats=box.append, **options))
+    return text, box[0]
 
 
 def generate_json(
@@ -159,6 +203,7 @@ def generate_json(
     whitespace: str = DEFAULT_JSON_WHITESPACE,
     profile: str | None = None,
     adaptive: bool = True,
+    stream: bool = False,
     return_stats: bool = False,
 ) -> Any:
     """Generate a JSON value that validates against ``schema``.
@@ -183,30 +228,34 @@ def generate_json(
         profile: hardware profile for K_max ("cpu", "a100-80gb", "h100-80gb", "h100-80gb-x8",
             "gb200-nvl72"); default ``$CONSTRAINED_SPEC_PROFILE`` or detected from the device.
         adaptive: choose K each step from online acceptance and cost estimates (else K = k_max).
+        stream: return a ``TextStream`` that yields the text as tokens are accepted; its
+            ``value`` and ``stats`` are set once it is exhausted.
         return_stats: also return a ``DecodeStats``.
 
     Returns:
         The parsed value (a pydantic instance when ``schema`` is a pydantic class), or
-        ``(value, stats)`` with ``return_stats=True``.
+        ``(value, stats)`` with ``return_stats=True``, or a ``TextStream``.
     """
     schema_dict, model_cls = load_schema(schema)
     regex = schema_to_regex(schema_dict, whitespace)
-    text, stats = _run(
-        model,
-        lambda h: compile_regex(regex, h.vocabulary),
-        prompt,
-        draft=draft,
-        drafter=drafter,
-        temperature=temperature,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        k_max=k_max,
-        task="json",
-        profile=profile,
-        adaptive=adaptive,
-    )
-    value = validate_json_output(text, schema_dict, model_cls)
+    options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                   k_max=k_max, task="json", profile=profile, adaptive=adaptive)
+    finish = lambda text: validate_json_output(text, schema_dict, model_cls)  # noqa: E731
+    constraint_for = lambda h: compile_regex(regex, h.vocabulary)  # noqa: E731
+    if stream:
+        return _text_stream(model, constraint_for, prompt, finish, options)
+    text, stats = _run(model, constraint_for, prompt, **options)
+    value = finish(text)
     return (value, stats) if return_stats else value
+
+
+def _text_stream(model: Any, constraint_for: Callable[[ModelHandle], Constraint], prompt: str,
+                 finish: Callable[[str], Any], options: dict[str, Any]) -> TextStream:
+    """A ``TextStream``; input is validated now, before the caller iterates."""
+    holder: list[TextStream] = []
+    pieces = _stream(model, constraint_for, prompt, on_stats=lambda st: setattr(holder[0], "stats", st), **options)
+    holder.append(TextStream(pieces, finish))
+    return holder[0]
 
 
 def validate_json_output(text: str, schema: dict, model_cls: type | None = None) -> Any:
@@ -244,11 +293,13 @@ def generate_regex(
     k_max: int | None = None,
     profile: str | None = None,
     adaptive: bool = True,
+    stream: bool = False,
     return_stats: bool = False,
 ) -> Any:
     """Generate a string that fully matches ``pattern``; options as in ``generate_json``.
 
-    Returns the string, or ``(string, stats)`` with ``return_stats=True``.
+    Returns the string, ``(string, stats)`` with ``return_stats=True``, or a ``TextStream``
+    with ``stream=True``.
     """
     from .errors import InvalidRegexError
 
@@ -258,20 +309,16 @@ def generate_regex(
         compiled = re.compile(pattern)
     except re.error as e:
         raise InvalidRegexError(f"Invalid regex {pattern!r}: it does not compile ({e}).") from None
-    text, stats = _run(
-        model,
-        lambda h: compile_regex(pattern, h.vocabulary),
-        prompt,
-        draft=draft,
-        drafter=drafter,
-        temperature=temperature,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        k_max=k_max,
-        task="text",
-        profile=profile,
-        adaptive=adaptive,
-    )
-    if not compiled.fullmatch(text):
-        raise OutputValidationError(text, f"does not fully match {pattern!r}")
-    return (text, stats) if return_stats else text
+    options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                   k_max=k_max, task="text", profile=profile, adaptive=adaptive)
+
+    def finish(text: str) -> str:
+        if not compiled.fullmatch(text):
+            raise OutputValidationError(text, f"does not fully match {pattern!r}")
+        return text
+
+    constraint_for = lambda h: compile_regex(pattern, h.vocabulary)  # noqa: E731
+    if stream:
+        return _text_stream(model, constraint_for, prompt, finish, options)
+    text, stats = _run(model, constraint_for, prompt, **options)
+    return (finish(text), stats) if return_stats else finish(text)

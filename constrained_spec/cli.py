@@ -24,7 +24,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # long messages stay whole lines (and greppable)
 
 EXAMPLE_PROMPT = (
     "Extract the person described below as JSON with the fields name, age, city and occupation.\n\n"
@@ -39,8 +39,9 @@ SeedOpt = typer.Option(None, "--seed", help="Seed for sampling.")
 MaxOpt = typer.Option(512, "--max-new-tokens", help="Generation limit.")
 KOpt = typer.Option(None, "--k-max", help="Draft length K (default per drafter).")
 StatsOpt = typer.Option(False, "--stats", help="Print speed figures to stderr.")
+StreamOpt = typer.Option(False, "--stream", help="Print the text as tokens are accepted.")
 ProfileOpt = typer.Option(None, "--profile", help="Hardware profile for K_max: cpu, a100-80gb, h100-80gb, h100-80gb-x8, gb200-nvl72 (default: $CONSTRAINED_SPEC_PROFILE or detected).")
-AdaptiveOpt = typer.Option(True, "--adaptive/--fixed-k", help="Choose K per step from measured acceptance and cost, or use K = k-max every step.")
+AdaptiveOpt = typer.Option(True, "--adaptive/--no-adaptive", help="Choose K per step from measured acceptance and cost (--no-adaptive: K = k-max every step).")
 DtypeOpt = typer.Option(None, "--dtype", help="Model dtype, e.g. float32 or bfloat16 (default: float32 on CPU, bfloat16 on GPU).")
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
 
@@ -64,6 +65,19 @@ def _print_stats(stats: Any) -> None:
     )
 
 
+def _print_stream(stream: Any, stats: bool) -> None:
+    """Print pieces as they come; on failure the partial line is already out, the error follows."""
+    try:
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if stats and stream.stats is not None:
+        _print_stats(stream.stats)
+
+
 def _run_guarded(fn: Any) -> Any:
     """Map errors to exit codes: 2 for bad input, 1 for a generation that failed."""
     try:
@@ -78,7 +92,7 @@ def _run_guarded(fn: Any) -> Any:
 
 @app.command("json")
 def json_cmd(
-    schema: str = typer.Argument(..., help="JSON schema: a file path, JSON text, or module:Class of a pydantic model."),
+    schema: str = typer.Argument(..., help="JSON schema: a file path, JSON text, or module:Class / file.py:Class of a pydantic model."),
     prompt: Optional[str] = PromptOpt,
     model: Optional[str] = ModelOpt,
     draft: Optional[str] = DraftOpt,
@@ -91,6 +105,7 @@ def json_cmd(
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
     stats: bool = StatsOpt,
+    stream: bool = StreamOpt,
 ) -> None:
     """Generate JSON that validates against SCHEMA and print it.
 
@@ -102,9 +117,12 @@ def json_cmd(
 
     def go() -> None:
         spec = _schema_arg(schema)
-        value, st = generate_json(_model_arg(model, dtype), spec, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
-                                  seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, profile=profile,
-                                  adaptive=adaptive, return_stats=True)
+        options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                       k_max=k_max, profile=profile, adaptive=adaptive)
+        if stream:
+            _print_stream(generate_json(_model_arg(model, dtype), spec, text, stream=True, **options), stats)  # type: ignore[arg-type]
+            return
+        value, st = generate_json(_model_arg(model, dtype), spec, text, return_stats=True, **options)  # type: ignore[arg-type]
         if hasattr(value, "model_dump"):
             value = value.model_dump(mode="json")
         print(json.dumps(value, ensure_ascii=False))
@@ -127,10 +145,19 @@ def _schema_arg(schema: str) -> Any:
     """A pydantic class for ``module:Class``; otherwise the text or path as given."""
     if ":" in schema and not schema.lstrip().startswith("{") and not Path(schema).exists():
         import importlib
+        import importlib.util
 
-        module, _, cls = schema.partition(":")
+        module, _, cls = schema.rpartition(":")
         try:
-            return getattr(importlib.import_module(module), cls)
+            if module.endswith(".py"):  # a file path: load it as a module
+                spec = importlib.util.spec_from_file_location(Path(module).stem, module)
+                if spec is None or spec.loader is None or not Path(module).is_file():
+                    raise ImportError(f"no such file {module}")
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+            else:
+                mod = importlib.import_module(module)
+            return getattr(mod, cls)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"Invalid schema: cannot import {schema!r} ({e}).") from None
     return schema
@@ -151,6 +178,7 @@ def regex_cmd(
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
     stats: bool = StatsOpt,
+    stream: bool = StreamOpt,
 ) -> None:
     """Generate a string that fully matches PATTERN and print it.
 
@@ -197,6 +225,79 @@ def demo_cmd() -> None:
         err.print(f"speedup {s1.tokens_per_second / s0.tokens_per_second:.2f}x; identical output: {value == base}")
 
     _run_guarded(go)
+
+
+@app.command("extract")
+def extract_cmd(
+    schema: str = typer.Option(..., "--schema", help="module:Class or file.py:Class of a pydantic model, or a JSON schema file."),
+    input: Path = typer.Option(..., "--input", "-i", help="JSONL of {id, text} per line, or a folder (one document per file, the file name its id)."),
+    output: Path = typer.Option(..., "--output", "-o", help="JSONL to write: {id, value, stats} or {id, error: {kind, message}} per line."),
+    resume: bool = typer.Option(False, "--resume", help="Skip ids already in the output file and append the rest."),
+    prompt_template: Optional[Path] = typer.Option(None, "--prompt-template", help="File with a template using {text}, {fields}, {schema}."),
+    batch_size: int = typer.Option(1, "--batch-size", help="Documents decoded together; above 8, target-only batched decoding replaces speculation."),
+    model: Optional[str] = ModelOpt,
+    draft: Optional[str] = DraftOpt,
+    drafter: str = DrafterOpt,
+    temperature: float = TempOpt,
+    seed: Optional[int] = SeedOpt,
+    max_new_tokens: int = MaxOpt,
+    k_max: Optional[int] = KOpt,
+    profile: Optional[str] = ProfileOpt,
+    adaptive: bool = AdaptiveOpt,
+    dtype: Optional[str] = DtypeOpt,
+) -> None:
+    """Extract one typed record per document, with a progress bar and a summary.
+
+    Example: constrained-spec extract --schema examples/people.py:Person --input examples/documents --output people.jsonl
+    """
+    from .extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, extract, read_documents
+
+    def go() -> None:
+        spec = _schema_arg(schema)
+        template = prompt_template.read_text() if prompt_template else DEFAULT_PROMPT_TEMPLATE
+        if not input.exists():
+            raise ValueError(f"Invalid input: {input} does not exist.")
+        docs = list(read_documents(input))
+        writer = JsonlWriter(output, resume=resume)
+        todo = [(i, t) for i, t in docs if i not in writer.done_ids]
+        if len(todo) < len(docs):
+            err.print(f"[dim]resume: {len(docs) - len(todo)} of {len(docs)} documents already in {output}[/]")
+        results = extract(spec, todo, model=_model_arg(model, dtype), draft=draft, prompt_template=template,
+                          batch_size=batch_size,
+                          drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                          k_max=k_max, profile=profile, adaptive=adaptive)
+        summary = _run_with_progress(results, len(todo), writer)
+        Console(stderr=True).print(_summary_table(summary, output))
+        if summary["failed"]:
+            raise typer.Exit(1)
+
+    _run_guarded(go)
+
+
+def _summary_table(summary: dict[str, Any], output: Path) -> Table:
+    table = Table(title=f"extraction summary ({output})", show_header=False)
+    for key, value in summary.items():
+        if key == "failures_by_kind":
+            value = ", ".join(f"{k}: {v}" for k, v in value.items()) or "none"
+        table.add_row(key.replace("_", " "), str(value))
+    return table
+
+
+def _run_with_progress(results: Any, total: int, writer: Any) -> dict[str, Any]:
+    """Write each result as it comes, with a progress bar showing tokens/s and acceptance."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .extract import Summary
+
+    summary = Summary()
+    with Progress(TextColumn("[bold]extract"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[speed]}"), console=err, transient=False) as bar:
+        task = bar.add_task("extract", total=total, speed="")
+        for result in results:
+            writer.write(result.to_record())
+            summary.add(result)
+            bar.update(task, advance=1, speed=summary.progress_line())
+    return summary.as_dict()
 
 
 @app.command("bench")

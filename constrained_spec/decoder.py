@@ -236,7 +236,7 @@ class SpeculativeDecoder:
         self.stats.finish()
 
 
-def decode(
+def make_decoder(
     target: Any,
     constraint: Constraint,
     prompt_ids: list[int],
@@ -247,12 +247,8 @@ def decode(
     temperature: float = 0.0,
     seed: int | None = None,
     max_new_tokens: int = 512,
-) -> DecodeResult:
-    """Generate token ids under ``constraint``; with ``k = 0`` or no drafter, target-only decoding.
-
-    Greedy (``temperature = 0``) output equals target-only greedy output token for token; sampled
-    output follows the target-only grammar-masked distribution exactly.
-    """
+) -> SpeculativeDecoder:
+    """A ready ``SpeculativeDecoder``; ``run()`` it to stream the emitted tokens step by step."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     if drafter is not None and generator is not None and hasattr(drafter, "generator"):
         drafter.generator = generator
@@ -269,6 +265,22 @@ def decode(
     )
     dec.stats.k_max = getattr(policy, "k_max", getattr(policy, "k", 0)) if drafter is not None else 0
     dec.stats.k_policy = type(policy).__name__
+    return dec
+
+
+def decode(
+    target: Any,
+    constraint: Constraint,
+    prompt_ids: list[int],
+    **options: Any,
+) -> DecodeResult:
+    """Generate token ids under ``constraint``; with ``k = 0`` or no drafter, target-only decoding.
+
+    Options as in ``make_decoder``. Greedy (``temperature = 0``) output equals target-only greedy
+    output token for token; sampled output follows the target-only grammar-masked distribution
+    exactly.
+    """
+    dec = make_decoder(target, constraint, prompt_ids, **options)
     for _ in dec.run():
         pass
     return DecodeResult(dec.output, dec.finished, dec.stats)

@@ -1,0 +1,292 @@
+"""Extraction pipelines: one schema, many documents, typed records out.
+
+A document that fails (token limit, validation, a prompt too long) is recorded with its error
+kind and message and never stops the run; results come back in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from .api import encode_prompt, generate_json, validate_json_output
+from .batched import SPECULATION_MAX_BATCH, decode_batch
+from .constraint import DEFAULT_JSON_WHITESPACE, compile_regex, load_schema, schema_to_regex
+from .errors import ConstrainedSpecError, InvalidSchemaError, TokenLimitError
+from .models import resolve_model
+
+#: The prompt of each document. ``{fields}`` lists the schema's fields with their types and
+#: descriptions (so ``Field(description=...)`` reaches the model), ``{text}`` is the document,
+#: ``{schema}`` the JSON schema itself. Override it with ``prompt_template=``.
+DEFAULT_PROMPT_TEMPLATE = (
+    "Extract the following fields from the document and answer with JSON.\n\n"
+    "Fields:\n{fields}\n\n"
+    "Document:\n{text}"
+)
+
+
+@dataclass
+class ExtractionResult:
+    """One document's outcome: ``value`` (validated) or ``error`` ({"kind", "message"}), and stats."""
+
+    id: str
+    value: Any = None
+    error: dict[str, str] | None = None
+    stats: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the document produced a valid value."""
+        return self.error is None
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON line written by the command line."""
+        if self.error is not None:
+            return {"id": self.id, "error": self.error}
+        value = self.value.model_dump(mode="json") if hasattr(self.value, "model_dump") else self.value
+        return {"id": self.id, "value": value, "stats": self.stats}
+
+
+def describe_fields(schema: dict) -> str:
+    """One line per top-level property: name, type, whether required, and its description."""
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or [])
+    defs = schema.get("$defs") or schema.get("definitions") or {}
+    lines = []
+    for name, sub in props.items():
+        if isinstance(sub, dict) and "$ref" in sub:
+            sub = {**defs.get(sub["$ref"].rsplit("/", 1)[-1], {}), **{k: v for k, v in sub.items() if k != "$ref"}}
+        sub = sub if isinstance(sub, dict) else {}
+        kind = sub.get("type") or ("one of " + ", ".join(map(json.dumps, sub["enum"])) if "enum" in sub else "value")
+        if isinstance(kind, list):
+            kind = " or ".join(kind)
+        desc = sub.get("description") or sub.get("title") or ""
+        lines.append(f"- {name} ({kind}{', required' if name in required else ''}){': ' + desc if desc else ''}")
+    return "\n".join(lines) if lines else json.dumps(schema)
+
+
+def iter_documents(documents: Iterable[Any]) -> Iterator[tuple[str, str]]:
+    """``(id, text)`` pairs from texts, ``{"id", "text"}`` records, or ``(id, text)`` tuples."""
+    for i, doc in enumerate(documents):
+        if isinstance(doc, str):
+            yield str(i), doc
+        elif isinstance(doc, dict):
+            if "text" not in doc:
+                raise ValueError(f"Invalid document #{i}: expected a 'text' field, got keys {sorted(doc)}.")
+            yield str(doc.get("id", i)), str(doc["text"])
+        elif isinstance(doc, tuple) and len(doc) == 2:
+            yield str(doc[0]), str(doc[1])
+        else:
+            raise ValueError(f"Invalid document #{i}: expected a string, a dict with 'text', or (id, text).")
+
+
+def read_documents(path: Path | str) -> Iterator[tuple[str, str]]:
+    """Documents from a JSONL file (``{"id", "text"}`` per line) or a folder (one file each, named by id)."""
+    path = Path(path)
+    if path.is_dir():
+        for file in sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")):
+            yield file.stem, file.read_text(errors="replace")
+        return
+    if not path.is_file():
+        raise FileNotFoundError(f"Invalid input: {path} is neither a JSONL file nor a folder.")
+    with path.open() as fh:
+        for n, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"Invalid input: {path} line {n} is not JSON ({e}).") from None
+            if not isinstance(record, dict) or "text" not in record:
+                raise ValueError(f"Invalid input: {path} line {n} needs an object with 'id' and 'text'.")
+            yield str(record.get("id", n)), str(record["text"])
+
+
+def extract(
+    schema: Any,
+    documents: Iterable[Any],
+    *,
+    model: Any = None,
+    draft: Any = None,
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
+    batch_size: int = 1,
+    **options: Any,
+) -> Iterator[ExtractionResult]:
+    """Extract one record per document, in order; a failing document yields an error result.
+
+    Args:
+        schema: a pydantic model class (values come back as instances) or a JSON schema.
+        documents: texts, ``{"id", "text"}`` records or ``(id, text)`` pairs.
+        model, draft: as in ``generate_json``; loaded once for the whole run.
+        prompt_template: ``str.format`` template with ``{text}``, ``{fields}``, ``{schema}``.
+        batch_size: documents decoded together. Up to ``SPECULATION_MAX_BATCH`` (8) each
+            document runs the speculative path alone; above it, the target-only masked path
+            runs batched (one forward per step for the whole batch, one FSM state per row).
+        options: passed to ``generate_json`` (drafter, temperature, seed, max_new_tokens, k_max, ...).
+    """
+    schema_dict, _ = load_schema(schema)  # bad schemas fail here, before any document
+    if "{text}" not in prompt_template:
+        raise ValueError("Invalid prompt_template: it must contain '{text}' where the document goes.")
+    handle = resolve_model(model)
+    draft_handle = resolve_model(draft, role="draft") if draft is not None else None
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"Invalid batch_size: expected an integer >= 1, got {batch_size!r}.")
+    fields = describe_fields(schema_dict)
+    schema_text = json.dumps(schema_dict)
+    prompts = ((doc_id, prompt_template.format(text=text, fields=fields, schema=schema_text))
+               for doc_id, text in iter_documents(documents))
+    if batch_size > SPECULATION_MAX_BATCH:
+        yield from _extract_batched(schema, prompts, handle, batch_size, **options)
+        return
+    for doc_id, prompt in prompts:
+        try:
+            value, stats = generate_json(handle, schema, prompt, draft=draft_handle, return_stats=True, **options)
+        except InvalidSchemaError:
+            raise
+        except ConstrainedSpecError as e:
+            yield ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
+            continue
+        yield ExtractionResult(doc_id, value=value, stats=_brief(stats))
+
+
+def _extract_batched(schema: Any, prompts: Iterable[tuple[str, str]], handle: Any, batch_size: int,
+                     *, temperature: float = 0.0, seed: int | None = None, max_new_tokens: int = 512,
+                     whitespace: str = DEFAULT_JSON_WHITESPACE, **_speculation: Any) -> Iterator[ExtractionResult]:
+    """Target-only batched decoding, ``batch_size`` documents per batch (speculation options unused)."""
+    schema_dict, model_cls = load_schema(schema)
+    constraint = compile_regex(schema_to_regex(schema_dict, whitespace), handle.vocabulary)
+    pending = list(prompts)
+    for start in range(0, len(pending), batch_size):
+        chunk = pending[start : start + batch_size]
+        encoded: list[tuple[str, list[int] | None, ExtractionResult | None]] = []
+        for doc_id, prompt in chunk:
+            try:
+                encoded.append((doc_id, encode_prompt(handle, prompt), None))
+            except ConstrainedSpecError as e:
+                encoded.append((doc_id, None, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
+        rows = [ids for _, ids, _ in encoded if ids is not None]
+        decoded = iter(decode_batch(handle.model, constraint, rows, temperature=temperature, seed=seed,
+                                    max_new_tokens=max_new_tokens) if rows else [])
+        for doc_id, ids, failed in encoded:
+            if failed is not None:
+                yield failed
+                continue
+            res = next(decoded)
+            text = handle.tokenizer.decode(res.tokens, skip_special_tokens=False)
+            try:
+                if not res.finished:
+                    raise TokenLimitError(text, max_new_tokens)
+                value = validate_json_output(text, schema_dict, model_cls)
+            except ConstrainedSpecError as e:
+                yield ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
+                continue
+            yield ExtractionResult(doc_id, value=value, stats=_brief(res.stats))
+
+
+def _brief(stats: Any) -> dict[str, Any]:
+    """The per-document figures worth keeping in an output line."""
+    s = dataclasses.asdict(stats)
+    keep = ("output_tokens", "target_forwards", "acceptance_rate", "tokens_per_second", "total_seconds", "drafter")
+    return {k: (round(s[k], 4) if isinstance(s[k], float) else s[k]) for k in keep}
+
+
+class JsonlWriter:
+    """Appends one JSON line per record, each with a single ``write`` call on an ``O_APPEND``
+    descriptor and an fsync, so a killed run leaves whole lines only.
+
+    With ``resume=True`` the ids already in the file are read into ``done_ids`` (and a trailing
+    partial line, from a crash in the middle of a write on a filesystem that allows it, is cut
+    off); without it the file is started anew.
+    """
+
+    def __init__(self, path: Path | str, *, resume: bool = False) -> None:
+        import os
+
+        self.path = Path(path)
+        self.done_ids: set[str] = set()
+        if resume and self.path.exists():
+            data = self.path.read_bytes()
+            complete = data[: data.rfind(b"\n") + 1]
+            if len(complete) < len(data):
+                with self.path.open("r+b") as fh:
+                    fh.truncate(len(complete))
+            for line in complete.splitlines():
+                try:
+                    self.done_ids.add(str(json.loads(line)["id"]))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if resume else os.O_TRUNC)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, flags, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record as one line."""
+        import os
+
+        line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode()
+        os.write(self._fd, line)
+        os.fsync(self._fd)
+        self.done_ids.add(str(record["id"]))
+
+    def close(self) -> None:
+        """Close the file."""
+        import os
+
+        os.close(self._fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
+
+
+@dataclass
+class Summary:
+    """Running totals of an extraction run."""
+
+    documents: int = 0
+    failed: int = 0
+    failures_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    output_tokens: int = 0
+    target_forwards: int = 0
+    seconds: float = 0.0
+    accepted_rate_sum: float = 0.0
+
+    def add(self, result: ExtractionResult) -> None:
+        """Count one result."""
+        self.documents += 1
+        if result.error is not None:
+            self.failed += 1
+            kind = result.error["kind"]
+            self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
+            return
+        st = result.stats or {}
+        self.output_tokens += st.get("output_tokens", 0)
+        self.target_forwards += st.get("target_forwards", 0)
+        self.seconds += st.get("total_seconds", 0.0)
+        self.accepted_rate_sum += st.get("acceptance_rate", 0.0)
+
+    def progress_line(self) -> str:
+        """Short figures for the progress bar."""
+        ok = self.documents - self.failed
+        tps = self.output_tokens / self.seconds if self.seconds else 0.0
+        acc = self.accepted_rate_sum / ok if ok else 0.0
+        return f"{tps:.1f} tok/s, acceptance {acc:.2f}, {self.failed} failed"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Totals and derived figures."""
+        ok = self.documents - self.failed
+        return {
+            "documents": self.documents,
+            "succeeded": ok,
+            "failed": self.failed,
+            "failures_by_kind": dict(self.failures_by_kind),
+            "output_tokens": self.output_tokens,
+            "tokens_per_second": round(self.output_tokens / self.seconds, 2) if self.seconds else 0.0,
+            "target_forwards_per_token": round(self.target_forwards / self.output_tokens, 3) if self.output_tokens else None,
+            "mean_acceptance_rate": round(self.accepted_rate_sum / ok, 3) if ok else None,
+        }

@@ -1,0 +1,42 @@
+"""The batched target-only path gives the same greedy outputs as the per-document path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from constrained_spec import ModelHandle
+from constrained_spec.batched import decode_batch
+from constrained_spec.constraint import compile_regex, load_schema, schema_to_regex
+from constrained_spec.decoder import decode
+from constrained_spec.extract import extract
+from tests.conftest import tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = ["Maria Gonzalez, 34, architect in Barcelona.", "Tom Okafor (52) is a harbour pilot in Rotterdam.",
+         "Aisha, 29, Oslo.", "Lars Nilsen turned 61 last spring and still lives in Bergen, repairing boats."]
+
+
+def test_batch_equals_per_document(smol):
+    schema, _ = load_schema(ROOT / "schemas" / "person.json")
+    constraint = compile_regex(schema_to_regex(schema), smol.vocabulary)
+    target = tiny_llama(49152 + 64, seed=41, init=0.3)
+    prompts = [smol.tokenizer(t)["input_ids"] for t in TEXTS]
+    assert len({len(p) for p in prompts}) > 1  # left padding is exercised
+    batch = decode_batch(target, constraint, prompts, max_new_tokens=40)
+    for p, res in zip(prompts, batch):
+        alone = decode(target, constraint, p, max_new_tokens=40)
+        assert res.tokens == alone.tokens
+        assert res.finished == alone.finished
+
+
+def test_extract_batched_equals_per_document(smol):
+    handle = ModelHandle(tiny_llama(49152, seed=42, init=0.3), smol.tokenizer, "tiny")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "c": {"enum": ["red", "green", "blue"]}},
+              "required": ["ok", "c"]}
+    docs = [{"id": f"d{i}", "text": TEXTS[i % 4] + " #" + str(i)} for i in range(10)]
+    one = [r.to_record() for r in extract(schema, docs, model=handle, drafter="none", max_new_tokens=24)]
+    many = [r.to_record() for r in extract(schema, docs, model=handle, batch_size=10, max_new_tokens=24)]
+    strip = lambda recs: [json.dumps({k: v for k, v in r.items() if k != "stats"}, sort_keys=True) for r in recs]  # noqa: E731
+    assert strip(one) == strip(many)
+    assert any("value" in r for r in many)
