@@ -36,7 +36,8 @@ def decode_batch(
     """Decode every prompt under ``constraint``, target-only, in one batch.
 
     Greedy rows give the same tokens as ``decode`` on each prompt alone (up to float rounding
-    of batched kernels; exact in float64). Stats are per row; times are the batch's, shared.
+    of batched kernels; exact in float64). Each row's stats carry its 1/b share of the batch's
+    forwards and seconds.
     """
     if not prompts or any(not p for p in prompts):
         raise InvalidPromptError("Invalid prompt: expected non-empty prompts for the batch.")
@@ -97,9 +98,10 @@ def decode_batch(
     results = []
     for i in range(b):
         done = finished[i] or constraint.is_final(states[i])
+        # Each forward and each second served the whole batch: a row's share is 1/b of them.
         st = DecodeStats(drafter="none (batched)", prompt_tokens=len(prompts[i]), output_tokens=len(outputs[i]),
-                         target_forwards=forwards, target_seconds=target_s, constraint_seconds=constraint_s,
-                         total_seconds=total, finished=done)
+                         target_forwards=forwards / b, target_seconds=target_s / b,  # type: ignore[arg-type]
+                         constraint_seconds=constraint_s / b, total_seconds=total / b, finished=done)
         st.finish()
         results.append(DecodeResult(outputs[i], done, st))
     return results

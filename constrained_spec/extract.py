@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -252,9 +253,11 @@ class Summary:
     failed: int = 0
     failures_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     output_tokens: int = 0
-    target_forwards: int = 0
-    seconds: float = 0.0
+    target_forwards: float = 0.0
     accepted_rate_sum: float = 0.0
+    #: Wall-clock start of the run: tokens/s is over real elapsed time, so per-document and
+    #: batched runs (whose per-document times overlap) compare fairly.
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def add(self, result: ExtractionResult) -> None:
         """Count one result."""
@@ -267,13 +270,18 @@ class Summary:
         st = result.stats or {}
         self.output_tokens += st.get("output_tokens", 0)
         self.target_forwards += st.get("target_forwards", 0)
-        self.seconds += st.get("total_seconds", 0.0)
         self.accepted_rate_sum += st.get("acceptance_rate", 0.0)
+
+    @property
+    def seconds(self) -> float:
+        """Wall-clock seconds since the run started."""
+        return time.perf_counter() - self.started
 
     def progress_line(self) -> str:
         """Short figures for the progress bar."""
         ok = self.documents - self.failed
-        tps = self.output_tokens / self.seconds if self.seconds else 0.0
+        seconds = self.seconds
+        tps = self.output_tokens / seconds if seconds else 0.0
         acc = self.accepted_rate_sum / ok if ok else 0.0
         return f"{tps:.1f} tok/s, acceptance {acc:.2f}, {self.failed} failed"
 
@@ -286,6 +294,7 @@ class Summary:
             "failed": self.failed,
             "failures_by_kind": dict(self.failures_by_kind),
             "output_tokens": self.output_tokens,
+            "seconds": round(self.seconds, 2),
             "tokens_per_second": round(self.output_tokens / self.seconds, 2) if self.seconds else 0.0,
             "target_forwards_per_token": round(self.target_forwards / self.output_tokens, 3) if self.output_tokens else None,
             "mean_acceptance_rate": round(self.accepted_rate_sum / ok, 3) if ok else None,
