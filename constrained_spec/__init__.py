@@ -21,6 +21,7 @@ from .errors import (
     UnsupportedSchemaFeatureError,
 )
 from .models import ModelHandle, load_model
+from .extract import DEFAULT_PROMPT_TEMPLATE, ExtractionResult, extract  # noqa: E402  (rebinds the name to the function)
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,6 @@ __all__ = [
     "FixedK", "InvalidPromptError", "InvalidRegexError", "InvalidSchemaError", "LookupDrafter", "ModelDrafter",
     "ModelHandle", "ModelLoadError", "OutputValidationError", "SpecOptions", "TextStream", "SpeculativeDecoder",
     "TokenLimitError", "TokenVocabulary", "TokenizerMismatchError", "UnsupportedSchemaFeatureError",
-    "compile_regex", "optimal_k", "decode", "generate_json", "generate_regex", "load_model", "load_schema",
+    "compile_regex", "extract", "ExtractionResult", "DEFAULT_PROMPT_TEMPLATE", "optimal_k", "decode", "generate_json", "generate_regex", "load_model", "load_schema",
     "schema_to_regex", "validate_json_output",
 ]

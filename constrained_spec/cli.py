@@ -51,7 +51,7 @@ def _prompt_text(prompt: Optional[str]) -> str:
         return prompt
     if sys.stdin is None or sys.stdin.isatty():
         err.print("[red]error:[/] give --prompt TEXT or pipe the prompt on standard input")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     return sys.stdin.read()
 
 
@@ -84,10 +84,10 @@ def _run_guarded(fn: Any) -> Any:
         return fn()
     except (TokenLimitError, OutputValidationError) as e:
         err.print(f"[red]generation failed:[/] {e}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     except (ConstrainedSpecError, ValueError) as e:
         err.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 @app.command("json")
@@ -269,7 +269,7 @@ def extract_cmd(
         summary = _run_with_progress(results, len(todo), writer)
         Console(stderr=True).print(_summary_table(summary, output))
         if summary["failed"]:
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
 
     _run_guarded(go)
 

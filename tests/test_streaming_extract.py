@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 from typer.testing import CliRunner
 
-from constrained_spec import ModelHandle, TokenLimitError, generate_json, generate_regex
+from constrained_spec import TokenLimitError, generate_json, generate_regex
 from constrained_spec.cli import app
 from constrained_spec.extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, describe_fields, extract
 from tests.conftest import tiny_llama
