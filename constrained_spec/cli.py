@@ -300,6 +300,47 @@ def _run_with_progress(results: Any, total: int, writer: Any) -> dict[str, Any]:
     return summary.as_dict()
 
 
+@app.command("coverage")
+def coverage_cmd(
+    corpus: Path = typer.Argument(..., help="Folder of <Subset>.jsonl schemas (+ valid_instances/), e.g. ../shared/data/jsonschemabench."),
+    sample: Optional[int] = typer.Option(None, "--sample", help="Schemas per subset (seeded random sample); default all."),
+    timeout_s: float = typer.Option(10.0, "--timeout", help="Per-schema compile limit in seconds."),
+    subset: Optional[list[str]] = typer.Option(None, "--subset", help="Only these subsets (repeatable)."),
+    model: Optional[str] = ModelOpt,
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
+) -> None:
+    """Compile coverage, compile time and refusal reasons per subset; valid instances checked against each constraint.
+
+    Example: constrained-spec coverage ../shared/data/jsonschemabench --sample 50 --timeout 10
+    """
+    from .coverage import run_coverage
+    from .models import resolve_model
+
+    def go() -> None:
+        if not corpus.is_dir():
+            raise ValueError(f"Invalid corpus: {corpus} is not a folder.")
+        handle = resolve_model(model)
+        report = run_coverage(corpus, handle.tokenizer, sample=sample, timeout_s=timeout_s, subsets=subset,
+                              progress=lambda name, i, n: err.print(f"[dim]{name} {i}/{n}[/]", end="\r"))
+        err.print()
+        table = Table(title=f"schema coverage: {report['backend']}, layout {report['layout']}, timeout {timeout_s:g} s")
+        cols = {"subset": "subset", "schemas": "schemas", "compiled_pct": "compiled %", "refused": "refused",
+                "timeouts": "timeouts", "errors": "errors", "compile_ms_p50": "ms p50", "compile_ms_p90": "ms p90",
+                "valid_instances_checked": "instances", "valid_instances_rejected": "rejected"}
+        for c, header in cols.items():
+            table.add_column(header, justify="left" if c == "subset" else "right", no_wrap=True)
+        for row in report["rows"]:
+            table.add_row(*["-" if row[c] is None else str(row[c]) for c in cols])
+        out = Console(width=max(120, Console().width))
+        out.print(table)
+        out.print("top refusal reasons: " + "; ".join(f"{r} ({n})" for r, n in report["top_refusal_reasons"]))
+        if json_out:
+            json_out.write_text(json.dumps(report, indent=2))
+            err.print(f"figures written to {json_out}")
+
+    _run_guarded(go)
+
+
 @app.command("bench")
 def bench_cmd(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {id, schema, prompt}; default: benchmarks/extraction.jsonl."),

@@ -17,12 +17,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-#: Priors for alpha per drafter kind (seeds before any request has been seen). They are
-#: overwritten by what recent requests measured (``_RECENT_ALPHA``).
-PRIOR_ALPHA = {"grammar": 0.85, "copy": 0.7, "lookup": 0.5, "model": 0.6}
+#: Priors for alpha per drafter kind (seeds before any request has been seen), overwritten by
+#: what recent requests measured (``_RECENT_ALPHA``). A kind's first token of a run and the
+#: tokens continuing it are estimated apart ("copy" vs "copy+"): acceptance is not
+#: independent along a span (a copied value is usually right or wrong at its first token),
+#: and one alpha per kind would make long spans look too risky to verify.
+PRIOR_ALPHA = {"grammar": 0.85, "grammar+": 0.95, "copy": 0.6, "copy+": 0.85, "lookup": 0.5, "lookup+": 0.75,
+               "model": 0.6, "model+": 0.6}
 #: Prior cost of one extra verified token, as a fraction of a one-token forward (CPU, measured).
 PRIOR_C_VERIFY = 0.1
 _RECENT_ALPHA: dict[str, float] = {}
+
+
+def alpha_keys(kinds: Sequence[str]) -> list[str]:
+    """The estimate each position uses: its kind, with "+" when it continues a run of that kind."""
+    return [k + "+" if i and kinds[i - 1] == k else k for i, k in enumerate(kinds)]
 
 
 class KPolicy(Protocol):
@@ -145,7 +154,9 @@ class AdaptiveK:
     def next_k(self) -> int:
         """For a draft model, the formula's K; for free drafters, the cap (trimmed later)."""
         if self.costly_draft:
-            return optimal_k(self.alpha("model"), self.c(), self.k_max)
+            # The formula's objective with the first and the continuing tokens' alphas; equal
+            # to optimal_k(alpha, c, k_max) when the two estimates agree.
+            return self._best_prefix(["model"] * self.k_max, self.c())
         return self.k_max
 
     def trim(self, kinds: Sequence[str]) -> int:
@@ -157,14 +168,7 @@ class AdaptiveK:
         drawn. Looking further ahead would make the verified length depend on sampled draft
         tokens and bias the output distribution.
         """
-        c = self._cost.ratio()
-        survive, expected, value, keep = 1.0, 1.0, 1.0, 0
-        for j, kind in enumerate(kinds[: self.k_max], start=1):
-            survive *= self.alpha(kind)
-            nxt = (expected + survive) / (1 + c * j)
-            if nxt <= value + 1e-12:
-                break
-            expected, value, keep = expected + survive, nxt, j
+        keep = self._best_prefix(kinds[: self.k_max], self._cost.ratio())
         if keep == 0 and kinds:
             # Probe now and then, so an estimate that fell too low can recover.
             self._skipped += 1
@@ -172,16 +176,28 @@ class AdaptiveK:
                 keep = 1
         return keep
 
+    def _best_prefix(self, kinds: Sequence[str], c: float) -> int:
+        """First-stop argmax over j of (1 + sum_{i<=j} prod_{m<=i} alpha_m) / (1 + c j)."""
+        survive, expected, value, keep = 1.0, 1.0, 1.0, 0
+        for j, key in enumerate(alpha_keys(kinds), start=1):
+            survive *= self.alpha(key)
+            nxt = (expected + survive) / (1 + c * j)
+            if nxt <= value + 1e-12:
+                break
+            expected, value, keep = expected + survive, nxt, j
+        return keep
+
     def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float, draft_seconds: float) -> None:
         """Count accepted / examined positions per kind; refit the cost model."""
-        for kind in set(self._succ) | set(kinds):
-            self._succ[kind] = self._succ.get(kind, 0.0) * self.decay
-            self._trials[kind] = self._trials.get(kind, 0.0) * self.decay
-        for i, kind in enumerate(kinds[: accepted + 1]):  # positions after the first rejection were not examined
-            self._trials[kind] += 1
-            self._succ[kind] += i < accepted
-        for kind in set(kinds):
-            _RECENT_ALPHA[kind] = self.alpha(kind)
+        keys = alpha_keys(kinds)
+        for key in set(self._succ) | set(keys):
+            self._succ[key] = self._succ.get(key, 0.0) * self.decay
+            self._trials[key] = self._trials.get(key, 0.0) * self.decay
+        for i, key in enumerate(keys[: accepted + 1]):  # positions after the first rejection were not examined
+            self._trials[key] += 1
+            self._succ[key] += i < accepted
+        for key in set(keys):
+            _RECENT_ALPHA[key] = self.alpha(key)
         k = len(kinds)
         self._cost.add(k, verify_seconds)
         if k and self.costly_draft and draft_seconds > 0:

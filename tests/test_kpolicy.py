@@ -27,13 +27,14 @@ def test_optimal_k_drops_to_plain_decoding_when_speculation_does_not_pay():
 
 def test_trim_is_the_global_argmax_for_mixed_kinds():
     policy = AdaptiveK(k_max=12)
-    policy._succ = {"grammar": 90.0, "lookup": 3.0, "model": 30.0}
-    policy._trials = {"grammar": 100.0, "lookup": 10.0, "model": 50.0}
+    policy._succ = {"grammar": 90.0, "grammar+": 20.0, "lookup": 3.0, "lookup+": 6.0, "model": 30.0}
+    policy._trials = {"grammar": 100.0, "grammar+": 21.0, "lookup": 10.0, "lookup+": 10.0, "model": 50.0}
     c = policy._cost.ratio()
     rng = np.random.default_rng(0)
     for _ in range(200):
         kinds = list(rng.choice(["grammar", "lookup", "model"], size=rng.integers(1, 13)))
-        survive = np.cumprod([policy.alpha(k) for k in kinds])
+        keys = [k + "+" if i and kinds[i - 1] == k else k for i, k in enumerate(kinds)]
+        survive = np.cumprod([policy.alpha(k) for k in keys])
         values = np.concatenate([[1.0], (1 + np.cumsum(survive)) / (1 + c * np.arange(1, len(kinds) + 1))])
         best = int(np.argmax(values))
         got = policy.trim(kinds)
@@ -43,17 +44,25 @@ def test_trim_is_the_global_argmax_for_mixed_kinds():
 def test_adaptive_estimates_follow_acceptance():
     _RECENT_ALPHA.clear()
     policy = AdaptiveK(k_max=8, costly_draft=True)
-    start = policy.alpha("model")
+    start = policy.alpha("model+")
     for _ in range(30):
         policy.update(["model"] * 4, 0, 0.05, 0.02)
     assert policy.alpha("model") < 0.25 < start
     assert policy.next_k() == 0  # a draft that is always wrong is switched off
     for _ in range(30):
         policy.update(["model"] * 4, 4, 0.05, 0.001)
-    assert policy.alpha("model") > 0.8
+    assert policy.alpha("model+") > 0.8
     assert policy.next_k() > 0
-    assert _RECENT_ALPHA["model"] == pytest.approx(policy.alpha("model"))  # seeds the next request
+    assert _RECENT_ALPHA["model+"] == pytest.approx(policy.alpha("model+"))  # seeds the next request
+    assert AdaptiveK(k_max=8)._seed["model+"] == pytest.approx(policy.alpha("model+"))
     _RECENT_ALPHA.clear()
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.8, 0.95])
+def test_adaptive_k_for_a_draft_model_is_the_formula_when_alphas_agree(alpha):
+    policy = AdaptiveK(k_max=10, costly_draft=True)
+    policy._seed = {"model": alpha, "model+": alpha}
+    assert policy.next_k() == optimal_k(alpha, policy.c(), 10)
 
 
 def test_fixed_k_verifies_everything():

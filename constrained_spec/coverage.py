@@ -1,0 +1,222 @@
+"""Schema coverage: how many real-world schemas compile, how fast, why the others are refused,
+and whether every valid instance of a compiled schema is accepted by its constraint.
+
+Each schema compiles in a worker process with a per-schema timeout; a worker that runs out of
+time is killed and replaced, so nothing is left running after a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .constraint import DEFAULT_JSON_WHITESPACE, TokenVocabulary, load_schema, schema_to_regex
+from .errors import ConstrainedSpecError, UnsupportedSchemaFeatureError
+
+
+@dataclass
+class SubsetCoverage:
+    """Counts of one subset (one JSONL file of the corpus)."""
+
+    name: str
+    schemas: int = 0
+    compiled: int = 0
+    refused: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    compile_ms: list[float] = field(default_factory=list)
+    instances_checked: int = 0
+    instances_rejected: int = 0
+    rejected_examples: list[str] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        """Figures for the table and ``--json``."""
+        ms = sorted(self.compile_ms)
+        pct = lambda q: round(ms[min(len(ms) - 1, int(q * len(ms)))], 1) if ms else None  # noqa: E731
+        return {
+            "subset": self.name,
+            "schemas": self.schemas,
+            "compiled_pct": round(100 * self.compiled / self.schemas, 1) if self.schemas else 0.0,
+            "refused": self.refused,
+            "timeouts": self.timeouts,
+            "errors": self.errors,
+            "compile_ms_p50": pct(0.5),
+            "compile_ms_p90": pct(0.9),
+            "valid_instances_checked": self.instances_checked,
+            "valid_instances_rejected": self.instances_rejected,
+        }
+
+
+def _ordered_like(value: Any, schema: Any) -> Any:
+    """The instance with object keys in the schema's ``properties`` order (the constraint's order)."""
+    if isinstance(value, dict) and isinstance(schema, dict):
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        keys = [k for k in props if k in value] + [k for k in value if k not in props]
+        return {k: _ordered_like(value[k], props.get(k, {})) for k in keys}
+    if isinstance(value, list) and isinstance(schema, dict) and isinstance(schema.get("items"), dict):
+        return [_ordered_like(v, schema["items"]) for v in value]
+    return value
+
+
+def _worker(conn: Any, vocab: TokenVocabulary, tokenize: Callable[[str], list[int]]) -> None:
+    """Build the regex, compile it and walk the instances, per request, until the pipe closes."""
+    from outlines_core import Index
+
+    outlines_vocab = vocab.to_outlines()
+    while True:
+        try:
+            schema, texts = conn.recv()
+        except EOFError:
+            return
+        t0 = time.perf_counter()
+        try:
+            regex = schema_to_regex(schema, DEFAULT_JSON_WHITESPACE)
+        except UnsupportedSchemaFeatureError as e:
+            conn.send(("refused", 0.0, f"unsupported keyword {e.keyword}", []))
+            continue
+        try:
+            index = Index(regex, outlines_vocab)
+        except Exception as e:  # outlines-core raises ValueError with free-form text
+            conn.send(("error", 0.0, str(e).split("\n")[0][:200], []))
+            continue
+        ms = 1000 * (time.perf_counter() - t0)
+        rejected = []
+        for text in texts:
+            state: int | None = index.get_initial_state()
+            for tok in tokenize(text):
+                state = index.get_next_state(state, tok)
+                if state is None:
+                    break
+            if state is None or not index.is_final_state(state):
+                rejected.append(text[:200])
+        conn.send(("ok", ms, "", rejected))
+
+
+class _CompilePool:
+    """One worker process; replaced when a compile exceeds its time."""
+
+    def __init__(self, vocab: TokenVocabulary, tokenize: Callable[[str], list[int]]) -> None:
+        self._ctx = mp.get_context("fork")
+        self._vocab = vocab
+        self._tokenize = tokenize
+        self._start()
+
+    def _start(self) -> None:
+        self._conn, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_worker, args=(child, self._vocab, self._tokenize), daemon=True)
+        self._proc.start()
+        child.close()
+
+    def run(self, schema: dict, texts: list[str], timeout_s: float) -> tuple[str, float, str, list[str]]:
+        """``(status, compile_ms, reason, rejected_texts)``; status is ok, refused, error or timeout."""
+        self._conn.send((schema, texts))
+        if self._conn.poll(timeout_s):
+            return self._conn.recv()
+        self.close()
+        self._start()
+        return ("timeout", 1000 * timeout_s, f"no result within {timeout_s:g} s", [])
+
+    def close(self) -> None:
+        """Stop the worker and wait for it."""
+        self._proc.kill()
+        self._proc.join()
+        self._conn.close()
+
+
+def run_coverage(
+    corpus: Path | str,
+    tokenizer: Any,
+    *,
+    sample: int | None = None,
+    timeout_s: float = 10.0,
+    subsets: list[str] | None = None,
+    seed: int = 0,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Coverage of the outlines-core backend over a JSONSchemaBench-style folder.
+
+    Args:
+        corpus: folder with ``<Subset>.jsonl`` (``{"id", "schema"}`` per line) and optionally
+            ``valid_instances/<Subset>.jsonl`` (``{"id", "valid": [...]}``).
+        tokenizer: the tokenizer whose vocabulary the constraints are compiled over.
+        sample: schemas per subset (a seeded random sample); None for all.
+        timeout_s: per-schema compile limit.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the worker is forked
+    corpus = Path(corpus)
+    files = sorted(corpus.glob("*.jsonl"))
+    if subsets:
+        files = [f for f in files if f.stem in subsets]
+    if not files:
+        raise ValueError(f"Invalid corpus: no <Subset>.jsonl files in {corpus}.")
+    vocab = TokenVocabulary.from_tokenizer(tokenizer)
+    tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    pool = _CompilePool(vocab, tokenize)
+    reasons: Counter[str] = Counter()
+    results = []
+    try:
+        for path in files:
+            items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if sample is not None and sample < len(items):
+                items = random.Random(seed).sample(items, sample)
+            instances = {}
+            inst_path = corpus / "valid_instances" / path.name
+            if inst_path.is_file():
+                for line in inst_path.read_text().splitlines():
+                    if line.strip():
+                        rec = json.loads(line)
+                        instances[rec["id"]] = rec["valid"]
+            sub = SubsetCoverage(path.stem)
+            for n, item in enumerate(items, start=1):
+                sub.schemas += 1
+                try:
+                    schema, _ = load_schema(item["schema"])
+                except ConstrainedSpecError as e:
+                    sub.refused += 1
+                    reasons[type(e).__name__] += 1
+                    continue
+                texts = [json.dumps(_ordered_like(v, schema), ensure_ascii=False) for v in instances.get(item["id"], [])]
+                status, ms, error, rejected = pool.run(schema, texts, timeout_s)
+                if status == "refused":
+                    sub.refused += 1
+                    reasons[error] += 1
+                elif status == "ok":
+                    sub.compiled += 1
+                    sub.compile_ms.append(ms)
+                    sub.instances_checked += len(texts)
+                    sub.instances_rejected += len(rejected)
+                    sub.rejected_examples += [f"{item['id']}: {t}" for t in rejected[:1]]
+                elif status == "timeout":
+                    sub.timeouts += 1
+                    reasons["compile timeout"] += 1
+                else:
+                    sub.errors += 1
+                    reasons[f"outlines-core: {error[:80]}"] += 1
+                if progress is not None:
+                    progress(path.stem, n, len(items))
+            results.append(sub)
+    finally:
+        pool.close()
+    total = SubsetCoverage("all")
+    for sub in results:
+        for name in ("schemas", "compiled", "refused", "timeouts", "errors", "instances_checked", "instances_rejected"):
+            setattr(total, name, getattr(total, name) + getattr(sub, name))
+        total.compile_ms += sub.compile_ms
+    return {
+        "backend": "outlines-core",
+        "layout": DEFAULT_JSON_WHITESPACE,
+        "timeout_s": timeout_s,
+        "sample": sample,
+        "rows": [s.row() for s in results] + [total.row()],
+        "top_refusal_reasons": reasons.most_common(10),
+        "rejected_instance_examples": [e for s in results for e in s.rejected_examples][:10],
+        "median_compile_ms_all": statistics.median(total.compile_ms) if total.compile_ms else None,
+    }

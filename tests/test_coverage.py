@@ -1,0 +1,35 @@
+"""The coverage command on a small sample of the real-world corpus; timeouts leave nothing running."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from constrained_spec.coverage import run_coverage
+
+CORPUS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "jsonschemabench"
+pytestmark = pytest.mark.skipif(not CORPUS.is_dir(), reason="the JSONSchemaBench corpus is not beside the checkout")
+
+
+def test_coverage_sample_counts_add_up(smol_tokenizer):
+    report = run_coverage(CORPUS, smol_tokenizer, sample=4, timeout_s=10, subsets=["Github_trivial", "Glaiveai2K"])
+    rows = {r["subset"]: r for r in report["rows"]}
+    assert set(rows) == {"Github_trivial", "Glaiveai2K", "all"}
+    for r in rows.values():
+        compiled = round(r["compiled_pct"] * r["schemas"] / 100)
+        assert compiled + r["refused"] + r["timeouts"] + r["errors"] == r["schemas"]
+    assert rows["all"]["schemas"] == 8
+    assert rows["all"]["compiled_pct"] > 0
+    assert rows["all"]["valid_instances_checked"] > 0
+    assert not mp.active_children()
+
+
+def test_timeouts_are_counted_and_leave_no_process(smol_tokenizer):
+    report = run_coverage(CORPUS, smol_tokenizer, sample=2, timeout_s=0.001, subsets=["Kubernetes"])
+    row = report["rows"][0]
+    assert row["timeouts"] + row["refused"] == 2
+    assert row["timeouts"] >= 1
+    assert ("compile timeout", row["timeouts"]) in report["top_refusal_reasons"]
+    assert not mp.active_children()
