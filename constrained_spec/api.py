@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
 
-from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, compile_regex, load_schema, schema_to_regex
+from .backends import AUTO_BACKEND, Backend, GuidanceConstraint, compile_constraint
+from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, load_schema, schema_to_regex
 from .decoder import DecodeStats, make_decoder
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .profiles import k_max_for
@@ -154,7 +155,8 @@ def _stream(
     opts = SpecOptions.build(drafter, draft, k_max, temperature, seed, max_new_tokens,
                              task=task, profile=profile, adaptive=adaptive)
     handle = resolve_model(model)
-    constraint = constraint_for(handle)
+    compiled = constraint_for(handle)
+    constraint = compiled.for_request()
     prompt_ids = encode_prompt(handle, prompt)
     dec = make_decoder(
         handle.model,
@@ -168,6 +170,8 @@ def _stream(
     )
     dec.stats.profile = opts.profile
     dec.stats.k_max = opts.k_max
+    dec.stats.backend = "llguidance" if isinstance(compiled, GuidanceConstraint) else "outlines-core"
+    dec.stats.relaxed = list(getattr(compiled, "warnings", []))
     return _pieces(handle, dec, opts, on_stats)
 
 
@@ -210,6 +214,8 @@ def generate_json(
     whitespace: str = DEFAULT_JSON_WHITESPACE,
     profile: str | None = None,
     adaptive: bool = True,
+    backend: Backend = "auto",
+    lenient: bool = False,
     stream: bool = False,
     return_stats: bool = False,
 ) -> Any:
@@ -235,6 +241,10 @@ def generate_json(
         profile: hardware profile for K_max ("cpu", "a100-80gb", "h100-80gb", "h100-80gb-x8",
             "gb200-nvl72"); default ``$CONSTRAINED_SPEC_PROFILE`` or detected from the device.
         adaptive: choose K each step from online acceptance and cost estimates (else K = k_max).
+        backend: "outlines-core", "llguidance" or "auto" (see ``backends.AUTO_BACKEND``).
+        lenient: llguidance only: relax keywords it cannot enforce instead of refusing them;
+            the relaxed ones are listed in ``stats.relaxed`` and the output is still validated
+            against the full schema (a violation raises ``OutputValidationError``).
         stream: return a ``TextStream`` that yields the text as tokens are accepted; its
             ``value`` and ``stats`` are set once it is exhausted.
         return_stats: also return a ``DecodeStats``.
@@ -244,11 +254,13 @@ def generate_json(
         ``(value, stats)`` with ``return_stats=True``, or a ``TextStream``.
     """
     schema_dict, model_cls = load_schema(schema)
-    regex = schema_to_regex(schema_dict, whitespace)
+    if backend in ("auto", "outlines-core") and (backend == "outlines-core" or AUTO_BACKEND == "outlines-core"):
+        schema_to_regex(schema_dict, whitespace)  # refuse unsupported keywords before loading a model
     options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                    k_max=k_max, task="json", profile=profile, adaptive=adaptive)
     finish = lambda text: validate_json_output(text, schema_dict, model_cls)  # noqa: E731
-    constraint_for = lambda h: compile_regex(regex, h.vocabulary)  # noqa: E731
+    constraint_for = lambda h: compile_constraint(  # noqa: E731
+        schema_dict, h.tokenizer, kind="json", backend=backend, lenient=lenient, whitespace=whitespace)
     if stream:
         return _text_stream(model, constraint_for, prompt, finish, options)
     text, stats = _run(model, constraint_for, prompt, **options)
@@ -300,6 +312,7 @@ def generate_regex(
     k_max: int | None = None,
     profile: str | None = None,
     adaptive: bool = True,
+    backend: Backend = "auto",
     stream: bool = False,
     return_stats: bool = False,
 ) -> Any:
@@ -324,7 +337,7 @@ def generate_regex(
             raise OutputValidationError(text, f"does not fully match {pattern!r}")
         return text
 
-    constraint_for = lambda h: compile_regex(pattern, h.vocabulary)  # noqa: E731
+    constraint_for = lambda h: compile_constraint(pattern, h.tokenizer, kind="regex", backend=backend)  # noqa: E731
     if stream:
         return _text_stream(model, constraint_for, prompt, finish, options)
     text, stats = _run(model, constraint_for, prompt, **options)

@@ -324,6 +324,50 @@ class Constraint:
             states.append(nxt)
         return states
 
+    def for_request(self) -> "Constraint":
+        """The cursor for one request: states are plain ints here, so the shared object itself."""
+        return self
+
+    def allowed_bytes(self, state: int) -> dict[int, int]:
+        """Single bytes allowed next from ``state`` and the state after each (cached)."""
+        return allowed_bytes(self, state)
+
+    def forced_bytes(self, state: int, limit: int = 256) -> bytes:
+        """The bytes every continuation from ``state`` starts with: single-byte steps while
+        exactly one byte is allowed and the state is not final."""
+        out = bytearray()
+        while len(out) < limit and not self.is_final(state):
+            options = self.allowed_bytes(state)
+            if len(options) != 1:
+                break
+            byte, state = next(iter(options.items()))
+            out.append(byte)
+        return bytes(out)
+
+
+def allowed_bytes(constraint: Any, state: int) -> dict[int, int]:
+    """Single bytes allowed from ``state`` -> the state after each, read off the allowed mask
+    at the single-byte tokens (byte-level vocabularies have one per byte). Cached in ``memo``."""
+    cache = constraint.memo.setdefault("allowed_bytes", {})
+    hit = cache.get(state)
+    if hit is None:
+        table = constraint.memo.setdefault("byte_tokens", {})
+        if not table:
+            for tid, b in constraint.vocab.token_bytes.items():
+                if len(b) == 1 and tid != constraint.eos_token_id:
+                    table.setdefault(b[0], tid)
+            table[-1] = (torch.tensor(list(table.keys()), dtype=torch.long),
+                         torch.tensor(list(table.values()), dtype=torch.long))
+        byte_ids, token_ids = table[-1]
+        mask = constraint.allowed_mask(state)
+        hit = {}
+        for b, t in zip(byte_ids[mask[token_ids]].tolist(), token_ids[mask[token_ids]].tolist()):
+            nxt = constraint.next_state(state, t)
+            if nxt is not None:
+                hit[b] = nxt
+        cache[state] = hit
+    return hit
+
 
 def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Set disallowed logits to -inf in place. ``logits``: ``[..., V_model]``, ``mask``: ``[..., V_vocab]``.

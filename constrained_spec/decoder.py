@@ -29,6 +29,9 @@ class DecodeStats:
     """
 
     drafter: str = "none"
+    backend: str = ""
+    #: Schema keywords the backend relaxed (llguidance lenient mode); empty when all are enforced.
+    relaxed: list[str] = field(default_factory=list)
     profile: str = ""
     k_policy: str = ""
     k_max: int = 0

@@ -221,11 +221,6 @@ class GrammarDrafter:
     def __init__(self, constraint: Constraint, tokenize: Callable[[str], list[int]]) -> None:
         self.constraint = constraint
         self.tokenize = tokenize
-        self._byte_tokens: dict[int, int] = {}
-        for tid, b in constraint.vocab.token_bytes.items():
-            if len(b) == 1 and tid != constraint.eos_token_id:
-                self._byte_tokens.setdefault(b[0], tid)
-        self._bytes = constraint.memo.setdefault("grammar.allowed_bytes", {})
         self._forced = constraint.memo.setdefault("grammar.forced", {})
         self._learned = constraint.memo.setdefault("grammar.learned", {})
 
@@ -233,28 +228,12 @@ class GrammarDrafter:
         """Nothing per request: the caches depend on the constraint only."""
 
     def allowed_bytes(self, state: int) -> dict[int, int]:
-        """Single bytes allowed next from ``state`` and the state after each (cached)."""
-        hit = self._bytes.get(state)
-        if hit is None:
-            c = self.constraint
-            hit = {}
-            for byte, tid in self._byte_tokens.items():
-                nxt = c.next_state(state, tid)
-                if nxt is not None:
-                    hit[byte] = nxt
-            self._bytes[state] = hit
-        return hit
+        """Single bytes allowed next from ``state`` and the state after each."""
+        return self.constraint.allowed_bytes(state)
 
-    def forced_bytes(self, state: int, limit: int = 256) -> bytes:
-        """The bytes every continuation from ``state`` starts with."""
-        out = bytearray()
-        while len(out) < limit and not self.constraint.is_final(state):
-            allowed = self.allowed_bytes(state)
-            if len(allowed) != 1:
-                break
-            byte, state = next(iter(allowed.items()))
-            out.append(byte)
-        return bytes(out)
+    def forced_bytes(self, state: int) -> bytes:
+        """The bytes every continuation from ``state`` starts with (the backend knows how)."""
+        return self.constraint.forced_bytes(state)
 
     def forced(self, state: int) -> tuple[list[int], list[int]]:
         """Tokens of the forced text from ``state`` and the FSM states along them (cached)."""

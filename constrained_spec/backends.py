@@ -1,0 +1,313 @@
+"""Constraint backends behind one interface, and the public ``compile_constraint``.
+
+- outlines-core (``constraint.Constraint``): an ``Index`` with integer states; rollback is
+  assignment; one compiled object serves every request.
+- llguidance (``GuidanceConstraint``): a matcher that consumes and rolls back tokens. To give
+  it the same integer-state interface, each request gets its own trie of the token paths it
+  has visited (a state is a trie node); moving the matcher between nodes is a rollback to the
+  common ancestor plus the tokens down to the target. Masks, finality and forced text are
+  cached per node. llguidance compiles far more real-world schemas, in about a millisecond,
+  and enforces keywords outlines-core ignores (``minimum``, most formats); in strict mode it
+  refuses what it cannot enforce, in lenient mode it names what it relaxed.
+
+The decoder and the drafters only use: ``initial_state``, ``allowed_mask``, ``next_state``,
+``allows``, ``is_final``, ``is_done``, ``walk``, ``forced_bytes``, ``eos_token_id``, ``vocab``,
+``memo`` and ``for_request()``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from .constraint import (
+    DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, Constraint, TokenVocabulary, allowed_bytes, compile_regex, load_schema,
+    schema_to_regex, vocabulary_of,
+)
+from .errors import InvalidRegexError, InvalidSchemaError, UnsupportedSchemaFeatureError
+
+Backend = Literal["auto", "outlines-core", "llguidance"]
+BACKENDS = ("auto", "outlines-core", "llguidance")
+#: What ``backend="auto"`` means; see the README's "Constraint backends" for the measurements.
+AUTO_BACKEND = "outlines-core"
+
+
+class GuidanceConstraint:
+    """An llguidance grammar with the integer-state interface of ``Constraint`` (one per request)."""
+
+    def __init__(self, grammar: str, lltokenizer: Any, vocab: TokenVocabulary, pattern: str,
+                 warnings: list[str] | None = None) -> None:
+        from llguidance import LLMatcher
+
+        self.grammar = grammar
+        self.lltokenizer = lltokenizer
+        self.vocab = vocab
+        self.pattern = pattern
+        self.warnings = list(warnings or [])
+        self.eos_token_id = vocab.eos_token_id
+        self.initial_state = 0
+        self.memo: dict[str, dict] = {}
+        self._matcher = LLMatcher(lltokenizer, grammar)
+        if self._matcher.is_error():
+            raise InvalidSchemaError(f"Invalid grammar: llguidance says {self._matcher.get_error()}")
+        # The trie: node -> parent, token, depth; (node, token) -> child; the matcher sits at _at.
+        self._parent = [-1]
+        self._token = [-1]
+        self._depth = [0]
+        self._child: dict[tuple[int, int], int] = {}
+        self._rejected: set[tuple[int, int]] = set()
+        self._at = 0
+        self._masks: dict[int, torch.Tensor] = {}
+        self._final: dict[int, bool] = {}
+        self._done: dict[int, bool] = {}
+        self._ff: dict[int, bytes] = {}
+
+    def for_request(self) -> "GuidanceConstraint":
+        """A fresh matcher and trie over the same compiled grammar."""
+        return GuidanceConstraint(self.grammar, self.lltokenizer, self.vocab, self.pattern, self.warnings)
+
+    # -- moving the matcher ------------------------------------------------------------------
+    def _goto(self, node: int) -> None:
+        if node == self._at:
+            return
+        a, b = self._at, node
+        down: list[int] = []
+        while self._depth[a] > self._depth[b]:
+            a = self._parent[a]
+        while self._depth[b] > self._depth[a]:
+            down.append(self._token[b])
+            b = self._parent[b]
+        while a != b:
+            a = self._parent[a]
+            down.append(self._token[b])
+            b = self._parent[b]
+        up = self._depth[self._at] - self._depth[a]
+        if up:
+            self._matcher.rollback(up)
+        if down:
+            self._matcher.consume_tokens(down[::-1])
+        self._at = node
+
+    # -- the interface -------------------------------------------------------------------------
+    def next_state(self, state: int, token: int) -> int | None:
+        """The node after ``token``, or None when it is not allowed (EOS: None too)."""
+        if token == self.eos_token_id:
+            return None
+        key = (state, token)
+        child = self._child.get(key)
+        if child is not None:
+            return child
+        if key in self._rejected:
+            return None
+        mask = self._masks.get(state)
+        if mask is not None and (token >= mask.shape[0] or not bool(mask[token])):
+            self._rejected.add(key)
+            return None
+        self._goto(state)
+        if self._matcher.try_consume_tokens([token]) != 1:
+            self._rejected.add(key)
+            return None
+        child = len(self._parent)
+        self._parent.append(state)
+        self._token.append(token)
+        self._depth.append(self._depth[state] + 1)
+        self._child[key] = child
+        self._at = child
+        return child
+
+    def allows(self, state: int, token: int) -> bool:
+        """Whether ``token`` is allowed in ``state`` (EOS only in final states)."""
+        if token == self.eos_token_id:
+            return self.is_final(state)
+        return self.next_state(state, token) is not None
+
+    def allowed_mask(self, state: int) -> torch.Tensor:
+        """Boolean mask ``[vocab.size]`` of the allowed tokens (cached per node)."""
+        mask = self._masks.get(state)
+        if mask is None:
+            self._goto(state)
+            bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            mask = torch.from_numpy(bits[: self.vocab.size].astype(bool))
+            self._masks[state] = mask
+        return mask
+
+    def is_final(self, state: int) -> bool:
+        """Whether the text so far is a complete member of the language."""
+        hit = self._final.get(state)
+        if hit is None:
+            self._goto(state)
+            hit = self._final[state] = bool(self._matcher.is_accepting())
+        return hit
+
+    def is_done(self, state: int) -> bool:
+        """Final with nothing but EOS allowed."""
+        hit = self._done.get(state)
+        if hit is None:
+            if not self.is_final(state):
+                hit = False
+            else:
+                self._goto(state)
+                mask = self.allowed_mask(state)
+                hit = bool(self._matcher.is_stopped()) or (int(mask.sum()) == 1 and bool(mask[self.eos_token_id]))
+            self._done[state] = hit
+        return hit
+
+    def walk(self, state: int, tokens: list[int]) -> list[int]:
+        """States along ``tokens`` from ``state``, cut before the first rejected token."""
+        states = [state]
+        for t in tokens:
+            nxt = self.next_state(states[-1], t)
+            if nxt is None:
+                break
+            states.append(nxt)
+        return states
+
+    def allowed_bytes(self, state: int) -> dict[int, int]:
+        """Single bytes allowed next from ``state`` and the node after each (cached)."""
+        return allowed_bytes(self, state)
+
+    def forced_bytes(self, state: int, limit: int = 256) -> bytes:
+        """The bytes every continuation from ``state`` starts with (llguidance's fast-forward)."""
+        hit = self._ff.get(state)
+        if hit is None:
+            self._goto(state)
+            hit = self._ff[state] = bytes(self._matcher.compute_ff_bytes())[:limit]
+        return hit
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation
+# --------------------------------------------------------------------------------------------
+
+_LLTOKENIZERS: dict[int, Any] = {}
+_GUIDANCE_CACHE: dict[tuple[str, str], GuidanceConstraint] = {}
+_LOCK = threading.Lock()
+
+
+def _lltokenizer(tokenizer: Any) -> Any:
+    import llguidance.hf
+
+    key = id(tokenizer)
+    if key not in _LLTOKENIZERS:
+        _LLTOKENIZERS[key] = llguidance.hf.from_tokenizer(tokenizer)
+    return _LLTOKENIZERS[key]
+
+
+def _guidance_json_options(whitespace: str, lenient: bool) -> dict[str, Any]:
+    ws = JSON_LAYOUTS.get(whitespace, whitespace)
+    if ws is None:  # canonical: json.dumps style
+        return {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": lenient}
+    if ws == "":
+        return {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False, "lenient": lenient}
+    return {"item_separator": ",", "key_separator": ":", "whitespace_pattern": ws, "lenient": lenient}
+
+
+def _compile_guidance(grammar: str, tokenizer: Any, vocab: TokenVocabulary, pattern: str, *, kind: str,
+                      lenient: bool) -> GuidanceConstraint:
+    from llguidance import LLMatcher
+
+    key = (vocab.fingerprint, pattern)
+    with _LOCK:
+        hit = _GUIDANCE_CACHE.get(key)
+    if hit is not None:
+        return hit
+    lltok = _lltokenizer(tokenizer)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+    if is_error:
+        msg = messages[0] if messages else "unknown error"
+        m = re.search(r"Unimplemented keys: \[([^\]]*)\]", msg)
+        if m:
+            keyword = m.group(1).split(",")[0].strip().strip('"')
+            raise UnsupportedSchemaFeatureError(keyword, "", f"llguidance (strict mode): {msg}. lenient=True relaxes it.")
+        if kind == "regex":
+            raise InvalidRegexError(f"Invalid regex {pattern[:200]!r}: llguidance says {msg}")
+        raise InvalidSchemaError(f"Invalid schema: llguidance says {msg}")
+    constraint = GuidanceConstraint(grammar, lltok, vocab, pattern, messages)
+    with _LOCK:
+        _GUIDANCE_CACHE.setdefault(key, constraint)
+        return _GUIDANCE_CACHE[key]
+
+
+def compile_constraint(
+    spec: Any,
+    tokenizer: Any,
+    *,
+    kind: Literal["json", "regex"] = "json",
+    backend: Backend = "auto",
+    lenient: bool = False,
+    whitespace: str = DEFAULT_JSON_WHITESPACE,
+    timeout_s: float | None = None,
+) -> Constraint | GuidanceConstraint:
+    """Compile a JSON schema (dict, JSON text, path, pydantic class) or a regex over a tokenizer.
+
+    Compiled once per (vocabulary fingerprint, pattern) and cached. Raises
+    ``InvalidSchemaError``, ``UnsupportedSchemaFeatureError`` (naming the keyword),
+    ``InvalidRegexError``, or ``TimeoutError`` when compiling takes longer than ``timeout_s``
+    (the work then runs in a worker process that is killed, so nothing is left running).
+    Call ``for_request()`` on the result to get a per-request cursor.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Invalid backend: expected one of {list(BACKENDS)}, got {backend!r}.")
+    if kind not in ("json", "regex"):
+        raise ValueError(f"Invalid kind: expected 'json' or 'regex', got {kind!r}.")
+    backend = AUTO_BACKEND if backend == "auto" else backend
+    if timeout_s is not None:
+        _check_in_time(spec, tokenizer, kind=kind, backend=backend, lenient=lenient, whitespace=whitespace,
+                       timeout_s=timeout_s)
+    vocab = vocabulary_of(tokenizer)
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise InvalidRegexError(f"Invalid regex: expected a non-empty string, got {spec!r}.")
+        if backend == "llguidance":
+            from llguidance import LLMatcher
+
+            return _compile_guidance(LLMatcher.grammar_from_regex(spec), tokenizer, vocab, spec, kind="regex",
+                                     lenient=lenient)
+        return compile_regex(spec, vocab)
+    schema, _ = load_schema(spec)
+    if backend == "llguidance":
+        from llguidance import LLMatcher
+
+        options = _guidance_json_options(whitespace, lenient)
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        pattern = "json:" + json.dumps(schema, sort_keys=True) + json.dumps(options, sort_keys=True)
+        return _compile_guidance(grammar, tokenizer, vocab, pattern, kind="json", lenient=lenient)
+    return compile_regex(schema_to_regex(schema, whitespace), vocab)
+
+
+def _check_in_time(spec: Any, tokenizer: Any, *, timeout_s: float, **options: Any) -> None:
+    """Compile once in a forked worker; kill it and raise ``TimeoutError`` past ``timeout_s``.
+
+    The compiled result stays in the worker; what this proves is that compiling finishes in
+    time, so the caller's own compile (in process, then cached) is safe to run.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+
+    def work() -> None:
+        try:
+            compile_constraint(spec, tokenizer, **options)
+            child.send(None)
+        except Exception as e:  # sent back and re-raised in the caller
+            child.send(e)
+
+    proc = ctx.Process(target=work, daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"Compiling the constraint took longer than {timeout_s:g} s; the worker was stopped.")
+        err = parent.recv()
+        if err is not None:
+            raise err
+    finally:
+        proc.kill()
+        proc.join()
+        parent.close()
+        child.close()
