@@ -306,6 +306,8 @@ def coverage_cmd(
     sample: Optional[int] = typer.Option(None, "--sample", help="Schemas per subset (seeded random sample); default all."),
     timeout_s: float = typer.Option(10.0, "--timeout", help="Per-schema compile limit in seconds."),
     subset: Optional[list[str]] = typer.Option(None, "--subset", help="Only these subsets (repeatable)."),
+    backend: list[str] = typer.Option(["outlines-core", "llguidance"], "--backend", help="Backends to measure (repeatable)."),
+    lenient: bool = typer.Option(False, "--lenient", help="llguidance: relax unimplemented keywords (listed) instead of refusing."),
     model: Optional[str] = ModelOpt,
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
 ) -> None:
@@ -320,22 +322,30 @@ def coverage_cmd(
         if not corpus.is_dir():
             raise ValueError(f"Invalid corpus: {corpus} is not a folder.")
         handle = resolve_model(model)
-        report = run_coverage(corpus, handle.tokenizer, sample=sample, timeout_s=timeout_s, subsets=subset,
-                              progress=lambda name, i, n: err.print(f"[dim]{name} {i}/{n}[/]", end="\r"))
-        err.print()
-        table = Table(title=f"schema coverage: {report['backend']}, layout {report['layout']}, timeout {timeout_s:g} s")
-        cols = {"subset": "subset", "schemas": "schemas", "compiled_pct": "compiled %", "refused": "refused",
-                "timeouts": "timeouts", "errors": "errors", "compile_ms_p50": "ms p50", "compile_ms_p90": "ms p90",
-                "valid_instances_checked": "instances", "valid_instances_rejected": "rejected"}
-        for c, header in cols.items():
-            table.add_column(header, justify="left" if c == "subset" else "right", no_wrap=True)
-        for row in report["rows"]:
-            table.add_row(*["-" if row[c] is None else str(row[c]) for c in cols])
+        reports = []
         out = Console(width=max(120, Console().width))
-        out.print(table)
-        out.print("top refusal reasons: " + "; ".join(f"{r} ({n})" for r, n in report["top_refusal_reasons"]))
+        for be in backend:
+            report = run_coverage(corpus, handle.tokenizer, sample=sample, timeout_s=timeout_s, subsets=subset,
+                                  backend=be, lenient=lenient,
+                                  progress=lambda name, i, n: err.print(f"[dim]{name} {i}/{n}[/]", end="\r"))
+            err.print()
+            reports.append(report)
+            mode = " (lenient)" if lenient and be == "llguidance" else ""
+            table = Table(title=f"schema coverage: {be}{mode}, layout {report['layout']}, timeout {timeout_s:g} s")
+            cols = {"subset": "subset", "schemas": "schemas", "compiled_pct": "compiled %", "refused": "refused",
+                    "timeouts": "timeouts", "errors": "errors", "relaxed": "relaxed", "compile_ms_p50": "ms p50",
+                    "compile_ms_p90": "ms p90", "valid_instances_checked": "instances",
+                    "valid_instances_rejected": "rejected"}
+            for c, header in cols.items():
+                table.add_column(header, justify="left" if c == "subset" else "right", no_wrap=True)
+            for row in report["rows"]:
+                table.add_row(*["-" if row[c] is None else str(row[c]) for c in cols])
+            out.print(table)
+            out.print("top refusal reasons: " + ("; ".join(f"{r} ({n})" for r, n in report["top_refusal_reasons"]) or "none"))
+            if report["top_relaxed_keywords"]:
+                out.print("relaxed: " + "; ".join(f"{r} ({n})" for r, n in report["top_relaxed_keywords"]))
         if json_out:
-            json_out.write_text(json.dumps(report, indent=2))
+            json_out.write_text(json.dumps(reports, indent=2))
             err.print(f"figures written to {json_out}")
 
     _run_guarded(go)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .constraint import DEFAULT_JSON_WHITESPACE, TokenVocabulary, load_schema, schema_to_regex
+from .backends import compile_constraint
+from .constraint import DEFAULT_JSON_WHITESPACE, compile_regex, load_schema, schema_to_regex, vocabulary_of
 from .errors import ConstrainedSpecError, UnsupportedSchemaFeatureError
 
 
@@ -33,6 +34,7 @@ class SubsetCoverage:
     timeouts: int = 0
     errors: int = 0
     compile_ms: list[float] = field(default_factory=list)
+    relaxed: int = 0
     instances_checked: int = 0
     instances_rejected: int = 0
     rejected_examples: list[str] = field(default_factory=list)
@@ -48,6 +50,7 @@ class SubsetCoverage:
             "refused": self.refused,
             "timeouts": self.timeouts,
             "errors": self.errors,
+            "relaxed": self.relaxed,
             "compile_ms_p50": pct(0.5),
             "compile_ms_p90": pct(0.9),
             "valid_instances_checked": self.instances_checked,
@@ -66,11 +69,13 @@ def _ordered_like(value: Any, schema: Any) -> Any:
     return value
 
 
-def _worker(conn: Any, vocab: TokenVocabulary, tokenize: Callable[[str], list[int]]) -> None:
-    """Build the regex, compile it and walk the instances, per request, until the pipe closes."""
-    from outlines_core import Index
+def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
+    """Compile each schema and walk its instances, per request, until the pipe closes."""
+    from . import backends as backends_mod
+    from . import constraint as constraint_mod
 
-    outlines_vocab = vocab.to_outlines()
+    vocab = vocabulary_of(tokenizer)
+    tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     while True:
         try:
             schema, texts = conn.recv()
@@ -78,40 +83,42 @@ def _worker(conn: Any, vocab: TokenVocabulary, tokenize: Callable[[str], list[in
             return
         t0 = time.perf_counter()
         try:
-            regex = schema_to_regex(schema, DEFAULT_JSON_WHITESPACE)
+            if backend == "llguidance":
+                compiled = compile_constraint(schema, tokenizer, backend="llguidance", lenient=lenient)
+            else:  # no disk cache: a corpus run would leave thousands of files behind
+                compiled = compile_regex(schema_to_regex(schema, DEFAULT_JSON_WHITESPACE), vocab, use_disk_cache=False)
         except UnsupportedSchemaFeatureError as e:
             conn.send(("refused", 0.0, f"unsupported keyword {e.keyword}", []))
             continue
-        try:
-            index = Index(regex, outlines_vocab)
-        except Exception as e:  # outlines-core raises ValueError with free-form text
+        except Exception as e:  # the backends raise with free-form text
             conn.send(("error", 0.0, str(e).split("\n")[0][:200], []))
             continue
+        finally:
+            constraint_mod._MEMORY_CACHE.clear()  # one schema at a time: keep the worker small
+            backends_mod._GUIDANCE_CACHE.clear()
         ms = 1000 * (time.perf_counter() - t0)
         rejected = []
         for text in texts:
-            state: int | None = index.get_initial_state()
-            for tok in tokenize(text):
-                state = index.get_next_state(state, tok)
-                if state is None:
-                    break
-            if state is None or not index.is_final_state(state):
+            cursor = compiled.for_request()
+            tokens = tokenize(text)
+            states = cursor.walk(cursor.initial_state, tokens)
+            if len(states) <= len(tokens) or not cursor.is_final(states[-1]):
                 rejected.append(text[:200])
-        conn.send(("ok", ms, "", rejected))
+        relaxed = list(getattr(compiled, "warnings", []))
+        conn.send(("ok", ms, "; ".join(relaxed), rejected))
 
 
 class _CompilePool:
     """One worker process; replaced when a compile exceeds its time."""
 
-    def __init__(self, vocab: TokenVocabulary, tokenize: Callable[[str], list[int]]) -> None:
+    def __init__(self, tokenizer: Any, backend: str, lenient: bool) -> None:
         self._ctx = mp.get_context("fork")
-        self._vocab = vocab
-        self._tokenize = tokenize
+        self._args = (tokenizer, backend, lenient)
         self._start()
 
     def _start(self) -> None:
         self._conn, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_worker, args=(child, self._vocab, self._tokenize), daemon=True)
+        self._proc = self._ctx.Process(target=_worker, args=(child, *self._args), daemon=True)
         self._proc.start()
         child.close()
 
@@ -138,10 +145,12 @@ def run_coverage(
     sample: int | None = None,
     timeout_s: float = 10.0,
     subsets: list[str] | None = None,
+    backend: str = "outlines-core",
+    lenient: bool = False,
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Coverage of the outlines-core backend over a JSONSchemaBench-style folder.
+    """Coverage of a backend ("outlines-core" or "llguidance") over a JSONSchemaBench-style folder.
 
     Args:
         corpus: folder with ``<Subset>.jsonl`` (``{"id", "schema"}`` per line) and optionally
@@ -157,10 +166,16 @@ def run_coverage(
         files = [f for f in files if f.stem in subsets]
     if not files:
         raise ValueError(f"Invalid corpus: no <Subset>.jsonl files in {corpus}.")
-    vocab = TokenVocabulary.from_tokenizer(tokenizer)
-    tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    pool = _CompilePool(vocab, tokenize)
+    if backend not in ("outlines-core", "llguidance"):
+        raise ValueError(f"Invalid backend: expected 'outlines-core' or 'llguidance', got {backend!r}.")
+    vocabulary_of(tokenizer)  # computed once here, inherited by the forked worker
+    if backend == "llguidance":
+        from .backends import _lltokenizer
+
+        _lltokenizer(tokenizer)  # likewise (~0.3 s), so it does not count as a compile
+    pool = _CompilePool(tokenizer, backend, lenient)
     reasons: Counter[str] = Counter()
+    relaxed: Counter[str] = Counter()
     results = []
     try:
         for path in files:
@@ -190,6 +205,9 @@ def run_coverage(
                     reasons[error] += 1
                 elif status == "ok":
                     sub.compiled += 1
+                    if error:
+                        sub.relaxed += 1
+                        relaxed.update(error.split("; "))
                     sub.compile_ms.append(ms)
                     sub.instances_checked += len(texts)
                     sub.instances_rejected += len(rejected)
@@ -207,16 +225,19 @@ def run_coverage(
         pool.close()
     total = SubsetCoverage("all")
     for sub in results:
-        for name in ("schemas", "compiled", "refused", "timeouts", "errors", "instances_checked", "instances_rejected"):
+        for name in ("schemas", "compiled", "refused", "timeouts", "errors", "relaxed", "instances_checked",
+                     "instances_rejected"):
             setattr(total, name, getattr(total, name) + getattr(sub, name))
         total.compile_ms += sub.compile_ms
     return {
-        "backend": "outlines-core",
+        "backend": backend,
+        "lenient": lenient,
         "layout": DEFAULT_JSON_WHITESPACE,
         "timeout_s": timeout_s,
         "sample": sample,
         "rows": [s.row() for s in results] + [total.row()],
         "top_refusal_reasons": reasons.most_common(10),
+        "top_relaxed_keywords": relaxed.most_common(10),
         "rejected_instance_examples": [e for s in results for e in s.rejected_examples][:10],
         "median_compile_ms_all": statistics.median(total.compile_ms) if total.compile_ms else None,
     }

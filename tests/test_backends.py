@@ -1,0 +1,124 @@
+"""The constraint interface, run against both backends (outlines-core and llguidance)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from constrained_spec import ModelHandle, UnsupportedSchemaFeatureError, generate_json
+from constrained_spec.backends import GuidanceConstraint, compile_constraint
+from constrained_spec.decoder import decode
+from constrained_spec.drafters import CopyDrafter, GrammarDrafter, HybridDrafter, LookupDrafter
+from tests.conftest import tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+PERSON = json.loads((ROOT / "schemas" / "person.json").read_text())
+REGEXES = [r"[a-c]{2,4}x?", r"\d{3}-\d{4}", r"(ab|cd)-[0-9a-f]{2,3}"]
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_same_masks_for_the_same_regex(smol_tokenizer, pattern):
+    """Equal masks wherever the text is not forced; in a forced stretch llguidance allows only
+    the canonical tokenization of the forced text, a subset. (Seen elsewhere and left out of
+    this test: in a final state that an optional group may follow, outlines-core 0.2.14 does
+    not allow that group's lone first-character token, e.g. " " after "yes" in
+    ``(yes|no)( really)?`` or "-" after "abcd" in ``[0-9a-f]{4,8}(-[0-9]+)?``, which llguidance
+    allows; multi-character tokens (" re", "-1") are allowed by both.)"""
+    o = compile_constraint(pattern, smol_tokenizer, kind="regex", backend="outlines-core").for_request()
+    g = compile_constraint(pattern, smol_tokenizer, kind="regex", backend="llguidance").for_request()
+    assert isinstance(g, GuidanceConstraint)
+    rng = random.Random(0)
+    for _ in range(6):
+        so, sg = o.initial_state, g.initial_state
+        for _ in range(12):
+            mo, mg = o.allowed_mask(so), g.allowed_mask(sg)
+            assert o.forced_bytes(so) == g.forced_bytes(sg)
+            if o.forced_bytes(so):
+                assert bool((mg <= mo).all()) and bool(mg.any())
+            else:
+                assert torch.equal(mo, mg)
+            assert o.is_final(so) == g.is_final(sg) and o.is_done(so) == g.is_done(sg)
+            choices = [t for t in mg.nonzero().flatten().tolist() if t != o.eos_token_id]
+            if not choices:
+                break
+            t = rng.choice(choices)
+            so, sg = o.next_state(so, t), g.next_state(sg, t)
+            assert so is not None and sg is not None
+
+
+def test_llguidance_rollback_leaves_identical_masks(smol_tokenizer):
+    compiled = compile_constraint(PERSON, smol_tokenizer, backend="llguidance")
+    tok = lambda s: smol_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    a, b = tok('{"name": "Maria'), tok('{"name": "Tom Okafor", "age": 5')
+    first = compiled.for_request()
+    sa = first.walk(first.initial_state, a)[-1]
+    mask_a = first.allowed_mask(sa).clone()
+    sb = first.walk(first.initial_state, b)[-1]  # moves the matcher away (rollback + consume)
+    first.allowed_mask(sb)
+    fresh = compiled.for_request()  # no caches: the mask comes from the matcher again
+    fresh.walk(fresh.initial_state, b)
+    sa2 = fresh.walk(fresh.initial_state, a)[-1]
+    assert len(fresh.walk(fresh.initial_state, a)) == len(a) + 1
+    assert torch.equal(fresh.allowed_mask(sa2), mask_a)
+    assert fresh.forced_bytes(fresh.initial_state) == b'{"name": "'
+
+
+def test_json_forced_text_agrees(smol_tokenizer):
+    for backend in ("outlines-core", "llguidance"):
+        c = compile_constraint(PERSON, smol_tokenizer, backend=backend).for_request()
+        assert c.forced_bytes(c.initial_state) == b'{"name": "'
+
+
+def test_llguidance_greedy_identity_with_drafters(smol):
+    compiled = compile_constraint(PERSON, smol.tokenizer, backend="llguidance")
+    target = tiny_llama(49152 + 64, seed=51, init=0.3)
+    prompt = smol.tokenizer('Record: name "Maria Gonzalez", age 34, city "Barcelona", occupation "architect".')["input_ids"]
+    base = decode(target, compiled.for_request(), prompt, max_new_tokens=40)
+    tokenize = lambda s: smol.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for k in (1, 4, 12):
+        c = compiled.for_request()
+        grammar = GrammarDrafter(c, tokenize)
+        hybrid = HybridDrafter([grammar, CopyDrafter(c, tokenize, smol.tokenizer.decode, grammar), LookupDrafter(c)])
+        assert decode(target, c, prompt, drafter=hybrid, k=k, max_new_tokens=40).tokens == base.tokens
+
+
+def test_strict_refuses_and_lenient_names_what_it_relaxed(smol_tokenizer):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+              "required": ["tags"]}
+    with pytest.raises(UnsupportedSchemaFeatureError) as err:
+        compile_constraint(schema, smol_tokenizer, backend="llguidance")
+    assert err.value.keyword == "uniqueItems"
+    handle = ModelHandle(tiny_llama(49152, seed=52, init=0.3), smol_tokenizer, "tiny")
+    schema2 = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "multipleOf": 2}},
+               "required": ["ok"]}
+    try:
+        _, stats = generate_json(handle, schema2, "ok?", backend="llguidance", lenient=True, max_new_tokens=12,
+                                 return_stats=True)
+        assert stats.backend == "llguidance"
+    except Exception as e:  # a random model may not finish or may break the relaxed keyword: never silently
+        assert type(e).__name__ in ("TokenLimitError", "OutputValidationError")
+
+
+def test_llguidance_enforces_minimum_and_maximum(smol_tokenizer):
+    handle = ModelHandle(tiny_llama(49152, seed=53, init=0.3), smol_tokenizer, "tiny")
+    schema = {"type": "integer", "minimum": 5, "maximum": 9}
+    with pytest.raises(UnsupportedSchemaFeatureError, match="minimum"):
+        generate_json(handle, schema, "a number", backend="outlines-core")
+    for seed in range(5):
+        value = generate_json(handle, schema, "a number", backend="llguidance", temperature=1.0, seed=seed)
+        assert 5 <= value <= 9
+
+
+def test_compile_timeout_leaves_nothing_running(smol_tokenizer):
+    big = json.loads((ROOT / "schemas" / "contact.json").read_text())
+    with pytest.raises(TimeoutError, match="longer than"):
+        compile_constraint({**big, "title": "timeout-probe"}, smol_tokenizer, backend="outlines-core", timeout_s=0.001)
+    assert not mp.active_children()
+    c = compile_constraint(PERSON, smol_tokenizer, backend="llguidance", timeout_s=30)
+    assert c.forced_bytes(c.for_request().initial_state)
+    assert not mp.active_children()
