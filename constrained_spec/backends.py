@@ -26,15 +26,19 @@ import numpy as np
 import torch
 
 from .constraint import (
-    DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, Constraint, TokenVocabulary, allowed_bytes, compile_regex, load_schema,
-    schema_to_regex, vocabulary_of,
+    DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, Constraint, TokenVocabulary, allowed_bytes, compile_regex, keyword_path,
+    load_schema, schema_to_regex, vocabulary_of,
 )
 from .errors import InvalidRegexError, InvalidSchemaError, UnsupportedSchemaFeatureError
 
 Backend = Literal["auto", "outlines-core", "llguidance"]
 BACKENDS = ("auto", "outlines-core", "llguidance")
-#: What ``backend="auto"`` means; see the README's "Constraint backends" for the measurements.
-AUTO_BACKEND = "outlines-core"
+#: What ``backend="auto"`` means. llguidance: on a sample of JSONSchemaBench it compiled
+#: ~97% of schemas strictly (outlines-core ~63%), in ~3 ms at the median (outlines-core
+#: ~140 ms, with 5-10 s timeouts), enforced keywords outlines-core ignores, and accepted every
+#: valid instance (outlines-core rejected over a third); decoding speed is the same. See the
+#: README's "Constraint backends".
+AUTO_BACKEND = "llguidance"
 
 
 class GuidanceConstraint:
@@ -133,6 +137,8 @@ class GuidanceConstraint:
             self._goto(state)
             bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
             mask = torch.from_numpy(bits[: self.vocab.size].astype(bool))
+            if self.eos_token_id < mask.shape[0] and not self.is_final(state):
+                mask[self.eos_token_id] = False  # our invariant: EOS only where the text is complete
             self._masks[state] = mask
         return mask
 
@@ -208,7 +214,7 @@ def _guidance_json_options(whitespace: str, lenient: bool) -> dict[str, Any]:
 
 
 def _compile_guidance(grammar: str, tokenizer: Any, vocab: TokenVocabulary, pattern: str, *, kind: str,
-                      lenient: bool) -> GuidanceConstraint:
+                      lenient: bool, schema: Any = None) -> GuidanceConstraint:
     from llguidance import LLMatcher
 
     key = (vocab.fingerprint, pattern)
@@ -223,11 +229,17 @@ def _compile_guidance(grammar: str, tokenizer: Any, vocab: TokenVocabulary, patt
         m = re.search(r"Unimplemented keys: \[([^\]]*)\]", msg)
         if m:
             keyword = m.group(1).split(",")[0].strip().strip('"')
-            raise UnsupportedSchemaFeatureError(keyword, "", f"llguidance (strict mode): {msg}. lenient=True relaxes it.")
+            raise UnsupportedSchemaFeatureError(keyword, keyword_path(schema, keyword) or "",
+                                                f"llguidance (strict mode): {msg}. lenient=True relaxes it.")
         if kind == "regex":
             raise InvalidRegexError(f"Invalid regex {pattern[:200]!r}: llguidance says {msg}")
         raise InvalidSchemaError(f"Invalid schema: llguidance says {msg}")
     constraint = GuidanceConstraint(grammar, lltok, vocab, pattern, messages)
+    probe = constraint.for_request()
+    if not probe.is_final(probe.initial_state) and not bool(probe.allowed_mask(probe.initial_state).any()):
+        what = f"regex {pattern[:200]!r}" if kind == "regex" else "schema"
+        error = InvalidRegexError if kind == "regex" else InvalidSchemaError
+        raise error(f"Invalid {what}: it matches nothing (no token can start a valid output).")
     with _LOCK:
         _GUIDANCE_CACHE.setdefault(key, constraint)
         return _GUIDANCE_CACHE[key]
@@ -276,7 +288,7 @@ def compile_constraint(
         options = _guidance_json_options(whitespace, lenient)
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
         pattern = "json:" + json.dumps(schema, sort_keys=True) + json.dumps(options, sort_keys=True)
-        return _compile_guidance(grammar, tokenizer, vocab, pattern, kind="json", lenient=lenient)
+        return _compile_guidance(grammar, tokenizer, vocab, pattern, kind="json", lenient=lenient, schema=schema)
     return compile_regex(schema_to_regex(schema, whitespace), vocab)
 
 

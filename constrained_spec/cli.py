@@ -39,6 +39,7 @@ SeedOpt = typer.Option(None, "--seed", help="Seed for sampling.")
 MaxOpt = typer.Option(512, "--max-new-tokens", help="Generation limit.")
 KOpt = typer.Option(None, "--k-max", help="Draft length K (default per drafter).")
 StatsOpt = typer.Option(False, "--stats", help="Print speed figures to stderr.")
+BackendOpt = typer.Option("auto", "--backend", help="Constraint backend: auto (llguidance), llguidance or outlines-core.")
 StreamOpt = typer.Option(False, "--stream", help="Print the text as tokens are accepted.")
 ProfileOpt = typer.Option(None, "--profile", help="Hardware profile for K_max: cpu, a100-80gb, h100-80gb, h100-80gb-x8, gb200-nvl72 (default: $CONSTRAINED_SPEC_PROFILE or detected).")
 AdaptiveOpt = typer.Option(True, "--adaptive/--no-adaptive", help="Choose K per step from measured acceptance and cost (--no-adaptive: K = k-max every step).")
@@ -60,6 +61,7 @@ def _print_stats(stats: Any) -> None:
     err.print(
         f"[dim]{s['output_tokens']} tokens in {s['total_seconds']:.2f}s ({s['tokens_per_second']:.1f} tok/s), "
         f"{s['target_forwards']} target forwards ({s['forwards_per_token']:.2f}/token), drafter {s['drafter']}, "
+        f"backend {s['backend']}{' (relaxed: ' + ', '.join(s['relaxed']) + ')' if s['relaxed'] else ''}, "
         f"profile {s['profile']} (K_max {s['k_max']}, {s['k_policy']}), acceptance {s['acceptance_rate']:.2f}, "
         f"K per step {s['ks'][:40]}{'...' if len(s['ks']) > 40 else ''}[/]"
     )
@@ -104,6 +106,8 @@ def json_cmd(
     profile: Optional[str] = ProfileOpt,
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
+    backend: str = BackendOpt,
+    lenient: bool = typer.Option(False, "--lenient", help="llguidance: relax keywords it cannot enforce (listed with --stats); the output is still validated."),
     stats: bool = StatsOpt,
     stream: bool = StreamOpt,
 ) -> None:
@@ -118,7 +122,7 @@ def json_cmd(
     def go() -> None:
         spec = _schema_arg(schema)
         options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                       k_max=k_max, profile=profile, adaptive=adaptive)
+                       k_max=k_max, profile=profile, adaptive=adaptive, backend=backend, lenient=lenient)
         if stream:
             _print_stream(generate_json(_model_arg(model, dtype), spec, text, stream=True, **options), stats)  # type: ignore[arg-type]
             return
@@ -177,6 +181,7 @@ def regex_cmd(
     profile: Optional[str] = ProfileOpt,
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
+    backend: str = BackendOpt,
     stats: bool = StatsOpt,
     stream: bool = StreamOpt,
 ) -> None:

@@ -238,6 +238,32 @@ def _canonical_layout(regex: str) -> str:
     return regex.replace(f"{m}:{m}", ": ").replace(f"{m},{m}", ", ").replace(f",{m}", ", ").replace(m, "")
 
 
+def keyword_path(schema: Any, keyword: str, path: str = "") -> str | None:
+    """JSON pointer of the first sub-schema that uses ``keyword`` (walking like ``check_schema_support``)."""
+    if not isinstance(schema, dict):
+        return None
+    if keyword in schema:
+        return path or "/"
+    subs: list[tuple[str, Any]] = []
+    for kw in _SUBSCHEMA_ONE:
+        if isinstance(schema.get(kw), dict):
+            subs.append((f"{path}/{kw}", schema[kw]))
+    for kw in _SUBSCHEMA_LIST:
+        if isinstance(schema.get(kw), list):
+            subs += [(f"{path}/{kw}/{i}", sub) for i, sub in enumerate(schema[kw])]
+    for kw in _SUBSCHEMA_MAP:
+        if isinstance(schema.get(kw), dict):
+            subs += [(f"{path}/{kw}/{name}", sub) for name, sub in schema[kw].items()]
+    for kw in ("not", "if", "then", "else", "contains", "propertyNames"):
+        if isinstance(schema.get(kw), dict):
+            subs.append((f"{path}/{kw}", schema[kw]))
+    for sub_path, sub in subs:
+        found = keyword_path(sub, keyword, sub_path)
+        if found is not None:
+            return found
+    return None
+
+
 def schema_to_regex(schema: dict, whitespace: str = DEFAULT_JSON_WHITESPACE) -> str:
     """The regex of the JSON texts that the schema allows, in the given layout (see ``JSON_LAYOUTS``)."""
     check_schema_support(schema)

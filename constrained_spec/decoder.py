@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from .constraint import Constraint, apply_mask
 from .drafters import Draft, Drafter
-from .errors import InvalidPromptError
+from .errors import ConstrainedSpecError, InvalidPromptError
 from .kpolicy import FixedK, KPolicy
 from .verifier import masked_probs, verify_greedy, verify_sampled
 
@@ -179,7 +179,13 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         # 4. Mask every position with the FSM state along the draft path (s_0..s_k).
         for i, s in enumerate(draft.states):
-            apply_mask(logits[i], self.constraint.allowed_mask(s))
+            mask = self.constraint.allowed_mask(s)
+            if i == 0 and not bool(mask.any()):
+                raise ConstrainedSpecError(
+                    "The constraint reached a state where no token is allowed (a dead end of the grammar); "
+                    f"output so far has {len(self.output)} tokens. Simplify the schema or pattern."
+                )
+            apply_mask(logits[i], mask)
         x = torch.tensor(draft.tokens, dtype=torch.long)
         if self.temperature == 0:
             verdict = verify_greedy(logits, x)

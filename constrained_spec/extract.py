@@ -15,7 +15,8 @@ from typing import Any, Iterable, Iterator
 
 from .api import encode_prompt, generate_json, validate_json_output
 from .batched import SPECULATION_MAX_BATCH, decode_batch
-from .constraint import DEFAULT_JSON_WHITESPACE, compile_regex, load_schema, schema_to_regex
+from .backends import compile_constraint
+from .constraint import DEFAULT_JSON_WHITESPACE, load_schema
 from .errors import ConstrainedSpecError, InvalidSchemaError, TokenLimitError
 from .models import resolve_model
 
@@ -155,10 +156,12 @@ def extract(
 
 def _extract_batched(schema: Any, prompts: Iterable[tuple[str, str]], handle: Any, batch_size: int,
                      *, temperature: float = 0.0, seed: int | None = None, max_new_tokens: int = 512,
-                     whitespace: str = DEFAULT_JSON_WHITESPACE, **_speculation: Any) -> Iterator[ExtractionResult]:
+                     whitespace: str = DEFAULT_JSON_WHITESPACE, backend: str = "auto", lenient: bool = False,
+                     **_speculation: Any) -> Iterator[ExtractionResult]:
     """Target-only batched decoding, ``batch_size`` documents per batch (speculation options unused)."""
     schema_dict, model_cls = load_schema(schema)
-    constraint = compile_regex(schema_to_regex(schema_dict, whitespace), handle.vocabulary)
+    compiled = compile_constraint(schema_dict, handle.tokenizer, kind="json", backend=backend,  # type: ignore[arg-type]
+                                  lenient=lenient, whitespace=whitespace)
     pending = list(prompts)
     for start in range(0, len(pending), batch_size):
         chunk = pending[start : start + batch_size]
@@ -169,7 +172,8 @@ def _extract_batched(schema: Any, prompts: Iterable[tuple[str, str]], handle: An
             except ConstrainedSpecError as e:
                 encoded.append((doc_id, None, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
         rows = [ids for _, ids, _ in encoded if ids is not None]
-        decoded = iter(decode_batch(handle.model, constraint, rows, temperature=temperature, seed=seed,
+        # One cursor for the whole batch: each row walks its own states through it.
+        decoded = iter(decode_batch(handle.model, compiled.for_request(), rows, temperature=temperature, seed=seed,
                                     max_new_tokens=max_new_tokens) if rows else [])
         for doc_id, ids, failed in encoded:
             if failed is not None:

@@ -26,7 +26,10 @@ def test_bad_schema_exits_2(tmp_path):
 
 
 def test_unsupported_keyword_exits_2():
-    res = runner.invoke(app, ["json", '{"type": "integer", "minimum": 1}', "--prompt", "hi"])
+    res = runner.invoke(app, ["json", '{"type": "array", "uniqueItems": true}', "--prompt", "hi"])
+    assert res.exit_code == 2
+    assert "'uniqueItems'" in res.output
+    res = runner.invoke(app, ["json", '{"type": "integer", "minimum": 1}', "--prompt", "hi", "--backend", "outlines-core"])
     assert res.exit_code == 2
     assert "'minimum'" in res.output
 

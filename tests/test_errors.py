@@ -49,15 +49,19 @@ def test_invalid_schema(tiny, schema, match):
     assert tiny.calls == 0
 
 
-@pytest.mark.parametrize("schema, keyword, path", [
-    ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}, "uniqueItems", "/properties/tags"),
-    ({"type": "integer", "minimum": 3}, "minimum", "/"),
-    ({"anyOf": [{"type": "string", "format": "hostname"}]}, "format", "/anyOf/0"),
-    ({"$defs": {"x": {"not": {"type": "null"}}}, "$ref": "#/$defs/x"}, "not", "/$defs/x"),
+@pytest.mark.parametrize("backend, schema, keyword, path", [
+    ("outlines-core", {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}, "uniqueItems",
+     "/properties/tags"),
+    ("outlines-core", {"type": "integer", "minimum": 3}, "minimum", "/"),
+    ("outlines-core", {"anyOf": [{"type": "string", "format": "hostname"}]}, "format", "/anyOf/0"),
+    ("outlines-core", {"$defs": {"x": {"not": {"type": "null"}}}, "$ref": "#/$defs/x"}, "not", "/$defs/x"),
+    ("llguidance", {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}, "uniqueItems",
+     "/properties/tags"),
+    ("llguidance", {"$defs": {"x": {"not": {"type": "null"}}}, "$ref": "#/$defs/x"}, "not", "/$defs/x"),
 ])
-def test_unsupported_feature_is_named(tiny, schema, keyword, path):
+def test_unsupported_feature_is_named(tiny, backend, schema, keyword, path):
     with pytest.raises(UnsupportedSchemaFeatureError) as err:
-        generate_json(tiny.handle, schema, "hello")
+        generate_json(tiny.handle, schema, "hello", backend=backend)
     assert err.value.keyword == keyword and err.value.path == path
     assert repr(keyword) in str(err.value) and path in str(err.value)
     assert tiny.calls == 0
