@@ -213,6 +213,24 @@ def _guidance_json_options(whitespace: str, lenient: bool) -> dict[str, Any]:
     return {"item_separator": ",", "key_separator": ":", "whitespace_pattern": ws, "lenient": lenient}
 
 
+_REFUSALS = (
+    (re.compile(r"Unimplemented keys: \[\s*\"?([A-Za-z$]+)"), None),
+    (re.compile(r"oneOf constraints are not supported"), "oneOf"),
+    (re.compile(r"Unknown format"), "format"),
+    (re.compile(r"patternPropert"), "patternProperties"),
+    (re.compile(r"min/maxProperties"), "minProperties"),
+)
+
+
+def _refused_keyword(message: str) -> str | None:
+    """The schema keyword an llguidance error message is about, when it names one."""
+    for pattern, keyword in _REFUSALS:
+        m = pattern.search(message)
+        if m:
+            return keyword or m.group(1)
+    return None
+
+
 def _compile_guidance(grammar: str, tokenizer: Any, vocab: TokenVocabulary, pattern: str, *, kind: str,
                       lenient: bool, schema: Any = None) -> GuidanceConstraint:
     from llguidance import LLMatcher
@@ -226,11 +244,10 @@ def _compile_guidance(grammar: str, tokenizer: Any, vocab: TokenVocabulary, patt
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
     if is_error:
         msg = messages[0] if messages else "unknown error"
-        m = re.search(r"Unimplemented keys: \[([^\]]*)\]", msg)
-        if m:
-            keyword = m.group(1).split(",")[0].strip().strip('"')
+        keyword = _refused_keyword(msg)
+        if keyword is not None and kind == "json":
             raise UnsupportedSchemaFeatureError(keyword, keyword_path(schema, keyword) or "",
-                                                f"llguidance (strict mode): {msg}. lenient=True relaxes it.")
+                                                f"llguidance (strict mode): {msg.splitlines()[0]}. lenient=True relaxes it.")
         if kind == "regex":
             raise InvalidRegexError(f"Invalid regex {pattern[:200]!r}: llguidance says {msg}")
         raise InvalidSchemaError(f"Invalid schema: llguidance says {msg}")
@@ -283,34 +300,51 @@ def compile_constraint(
         return compile_regex(spec, vocab)
     schema, _ = load_schema(spec)
     if backend == "llguidance":
-        from llguidance import LLMatcher
-
-        options = _guidance_json_options(whitespace, lenient)
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
-        pattern = "json:" + json.dumps(schema, sort_keys=True) + json.dumps(options, sort_keys=True)
-        return _compile_guidance(grammar, tokenizer, vocab, pattern, kind="json", lenient=lenient, schema=schema)
+        try:
+            return _compile_guidance_json(schema, tokenizer, vocab, whitespace, relax=False)
+        except UnsupportedSchemaFeatureError:
+            if not lenient:
+                raise
+        # lenient: strict where it can be; otherwise relax, and name what was relaxed
+        return _compile_guidance_json(schema, tokenizer, vocab, whitespace, relax=True)
     return compile_regex(schema_to_regex(schema, whitespace), vocab)
 
 
+def _compile_guidance_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespace: str, *,
+                           relax: bool) -> GuidanceConstraint:
+    from llguidance import LLMatcher
+
+    options = _guidance_json_options(whitespace, relax)
+    if relax:
+        options["coerce_one_of"] = True  # oneOf enforced as anyOf; exclusivity checked on the output
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    pattern = "json:" + json.dumps(schema, sort_keys=True) + json.dumps(options, sort_keys=True)
+    constraint = _compile_guidance(grammar, tokenizer, vocab, pattern, kind="json", lenient=relax, schema=schema)
+    if relax and keyword_path(schema, "oneOf") is not None and not any("oneOf" in w for w in constraint.warnings):
+        constraint.warnings.append("oneOf enforced as anyOf")
+    return constraint
+
+
+def _compile_in_worker(conn: Any, spec: Any, tokenizer: Any, options: dict[str, Any]) -> None:
+    try:
+        compile_constraint(spec, tokenizer, **options)
+        conn.send(None)
+    except Exception as e:  # sent back and re-raised in the caller
+        conn.send(e)
+
+
 def _check_in_time(spec: Any, tokenizer: Any, *, timeout_s: float, **options: Any) -> None:
-    """Compile once in a forked worker; kill it and raise ``TimeoutError`` past ``timeout_s``.
+    """Compile once in a worker process; kill it and raise ``TimeoutError`` past ``timeout_s``.
 
     The compiled result stays in the worker; what this proves is that compiling finishes in
-    time, so the caller's own compile (in process, then cached) is safe to run.
+    time, so the caller's own compile (in process, then cached) is safe to run. The worker is
+    spawned, not forked: a fork could inherit Rust thread pools in a locked state.
     """
     import multiprocessing as mp
 
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-
-    def work() -> None:
-        try:
-            compile_constraint(spec, tokenizer, **options)
-            child.send(None)
-        except Exception as e:  # sent back and re-raised in the caller
-            child.send(e)
-
-    proc = ctx.Process(target=work, daemon=True)
+    proc = ctx.Process(target=_compile_in_worker, args=(child, spec, tokenizer, options), daemon=True)
     proc.start()
     try:
         if not parent.poll(timeout_s):
