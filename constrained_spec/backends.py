@@ -163,15 +163,8 @@ class GuidanceConstraint:
             self._done[state] = hit
         return hit
 
-    def walk(self, state: int, tokens: list[int]) -> list[int]:
-        """States along ``tokens`` from ``state``, cut before the first rejected token."""
-        states = [state]
-        for t in tokens:
-            nxt = self.next_state(states[-1], t)
-            if nxt is None:
-                break
-            states.append(nxt)
-        return states
+    # Only next_state differs between the backends; the walk over it is the same code.
+    walk = Constraint.walk
 
     def allowed_bytes(self, state: int) -> dict[int, int]:
         """Single bytes allowed next from ``state`` and the node after each (cached)."""
