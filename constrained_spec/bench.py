@@ -55,6 +55,9 @@ class ConfigFigures:
     drafted: int = 0
     accepted: int = 0
     constraint_seconds: float = 0.0
+    #: Constraint seconds per output token, one entry per step (its time over its tokens).
+    constraint_per_token: list[float] = field(default_factory=list)
+    step_seconds: float = 0.0
     identical: int = 0
     prompts: int = 0
     per_kind: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -69,6 +72,9 @@ class ConfigFigures:
         self.drafted += stats.drafted
         self.accepted += stats.accepted
         self.constraint_seconds += stats.constraint_seconds
+        self.step_seconds += sum(stats.step_seconds)
+        emitted = [b - a for a, b in zip([0, *stats.tokens_after_step], stats.tokens_after_step)]
+        self.constraint_per_token += [c / n for c, n in zip(stats.constraint_step_seconds, emitted) if n]
         self.prompts += 1
         self.identical += value == baseline_value
         self.outputs.append(value)
@@ -100,8 +106,19 @@ class ConfigFigures:
                                         for k, r in self.per_kind.items()} if self.per_kind and self.output_tokens else None,
             "constraint_ms_per_token": round(1000 * self.constraint_seconds / self.output_tokens, 3)
             if self.target_forwards and self.output_tokens else None,
+            "constraint_ms_per_token_p50": _pct_ms(self.constraint_per_token, 0.5),
+            "constraint_ms_per_token_p99": _pct_ms(self.constraint_per_token, 0.99),
+            "constraint_share_of_step": round(self.constraint_seconds / self.step_seconds, 4) if self.step_seconds else None,
             "identical_outputs": f"{self.identical}/{self.prompts}",
         }
+
+
+def _pct_ms(values: list[float], q: float) -> float | None:
+    """The q-quantile of ``values`` (seconds) in milliseconds."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
 def load_prompts(path: Path | str = DEFAULT_PROMPTS) -> list[dict[str, Any]]:

@@ -313,6 +313,7 @@ def coverage_cmd(
     subset: Optional[list[str]] = typer.Option(None, "--subset", help="Only these subsets (repeatable)."),
     backend: list[str] = typer.Option(["outlines-core", "llguidance"], "--backend", help="Backends to measure (repeatable)."),
     lenient: bool = typer.Option(False, "--lenient", help="llguidance: relax unimplemented keywords (listed) instead of refusing."),
+    generate: int = typer.Option(0, "--generate", help="Also generate with the model for this many compiled schemas; report schema-valid %."),
     model: Optional[str] = ModelOpt,
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
 ) -> None:
@@ -331,7 +332,7 @@ def coverage_cmd(
         out = Console(width=max(120, Console().width))
         for be in backend:
             report = run_coverage(corpus, handle.tokenizer, sample=sample, timeout_s=timeout_s, subsets=subset,
-                                  backend=be, lenient=lenient,
+                                  backend=be, lenient=lenient, generate=generate, model=handle,
                                   progress=lambda name, i, n: err.print(f"[dim]{name} {i}/{n}[/]", end="\r"))
             err.print()
             reports.append(report)
@@ -349,6 +350,9 @@ def coverage_cmd(
             out.print("top refusal reasons: " + ("; ".join(f"{r} ({n})" for r, n in report["top_refusal_reasons"]) or "none"))
             if report["top_relaxed_keywords"]:
                 out.print("relaxed: " + "; ".join(f"{r} ({n})" for r, n in report["top_relaxed_keywords"]))
+            if report["generation"]:
+                g = report["generation"]
+                out.print(f"generated for {g['schemas']} schemas: {g['schema_valid_pct']}% schema-valid; {g['outcomes']}")
         if json_out:
             json_out.write_text(json.dumps(reports, indent=2))
             err.print(f"figures written to {json_out}")
@@ -386,7 +390,8 @@ def bench_cmd(
                             f"profile {report['profile']}")
         cols = {"config": "config", "tokens_per_second": "tok/s", "speedup_vs_target_only": "speedup",
                 "target_forwards_per_token": "fwd/token", "acceptance_by_kind": "accepted by kind",
-                "constraint_ms_per_token": "constraint ms/tok", "identical_outputs": "identical"}
+                "constraint_ms_per_token_p50": "constraint ms/tok p50", "constraint_ms_per_token_p99": "p99",
+                "constraint_share_of_step": "share", "identical_outputs": "identical"}
         for c, header in cols.items():
             table.add_column(header, justify="left" if c in ("config", "acceptance_by_kind") else "right", no_wrap=True)
         for row in report["rows"]:

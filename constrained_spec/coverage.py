@@ -151,6 +151,8 @@ def run_coverage(
     subsets: list[str] | None = None,
     backend: str = "outlines-core",
     lenient: bool = False,
+    generate: int = 0,
+    model: Any = None,
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
@@ -162,6 +164,8 @@ def run_coverage(
         tokenizer: the tokenizer whose vocabulary the constraints are compiled over.
         sample: schemas per subset (a seeded random sample); None for all.
         timeout_s: per-schema compile limit.
+        generate: also generate with ``model`` (default: the embedded one) for this many
+            compiled schemas and report how many outputs were schema-valid.
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     corpus = Path(corpus)
@@ -175,6 +179,7 @@ def run_coverage(
     pool = _CompilePool(tokenizer, backend, lenient)
     reasons: Counter[str] = Counter()
     relaxed: Counter[str] = Counter()
+    compiled_schemas: list[dict] = []
     results = []
     try:
         for path in files:
@@ -204,6 +209,8 @@ def run_coverage(
                     reasons[error] += 1
                 elif status == "ok":
                     sub.compiled += 1
+                    if len(compiled_schemas) < generate:
+                        compiled_schemas.append(schema)
                     if error:
                         sub.relaxed += 1
                         relaxed.update(error.split("; "))
@@ -228,7 +235,9 @@ def run_coverage(
                      "instances_rejected"):
             setattr(total, name, getattr(total, name) + getattr(sub, name))
         total.compile_ms += sub.compile_ms
+    generation = _generate_check(compiled_schemas, model, backend, lenient) if generate else None
     return {
+        "generation": generation,
         "backend": backend,
         "lenient": lenient,
         "layout": DEFAULT_JSON_WHITESPACE,
@@ -240,3 +249,21 @@ def run_coverage(
         "rejected_instance_examples": [e for s in results for e in s.rejected_examples][:10],
         "median_compile_ms_all": statistics.median(total.compile_ms) if total.compile_ms else None,
     }
+
+
+def _generate_check(schemas: list[dict], model: Any, backend: str, lenient: bool) -> dict[str, Any]:
+    """Generate one value per schema; count schema-valid outputs and the ways the others failed."""
+    from .api import generate_json
+    from .errors import ConstrainedSpecError
+
+    outcomes: Counter[str] = Counter()
+    for schema in schemas:
+        prompt = "Write one realistic JSON value that follows this JSON schema.\n\n" + json.dumps(schema)[:3000]
+        try:
+            generate_json(model, schema, prompt, backend=backend, lenient=lenient, max_new_tokens=384)  # type: ignore[arg-type]
+            outcomes["schema-valid"] += 1
+        except ConstrainedSpecError as e:
+            outcomes[type(e).__name__] += 1
+    n = len(schemas)
+    return {"schemas": n, "schema_valid_pct": round(100 * outcomes["schema-valid"] / n, 1) if n else None,
+            "outcomes": dict(outcomes)}

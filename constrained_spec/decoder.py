@@ -46,6 +46,9 @@ class DecodeStats:
     #: Seconds since the request started, and output length, at the end of each step.
     step_ends: list[float] = field(default_factory=list)
     tokens_after_step: list[int] = field(default_factory=list)
+    #: Per step: constraint seconds and the step's total seconds (for p50 / p99 and the share).
+    constraint_step_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
@@ -225,6 +228,8 @@ class SpeculativeDecoder:
         st.draft_seconds += t1 - t0
         st.target_seconds += t2 - t1
         st.constraint_seconds += t3 - t2
+        st.constraint_step_seconds.append(t3 - t2)
+        st.step_seconds.append(t3 - t0)
         return emitted
 
     def run(self) -> Iterator[list[int]]:

@@ -33,3 +33,11 @@ def test_timeouts_are_counted_and_leave_no_process(smol_tokenizer):
     assert row["timeouts"] >= 1
     assert ("compile timeout", row["timeouts"]) in report["top_refusal_reasons"]
     assert not mp.active_children()
+
+
+def test_generation_check_reports_outcomes(smol):
+    report = run_coverage(CORPUS, smol.tokenizer, sample=1, timeout_s=10, subsets=["Glaiveai2K"],
+                          backend="llguidance", generate=1, model=smol)
+    gen = report["generation"]
+    assert gen["schemas"] == 1 and sum(gen["outcomes"].values()) == 1
+    assert not mp.active_children()
