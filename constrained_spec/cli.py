@@ -402,7 +402,7 @@ def bench_cmd(
                     v = " ".join(f"{k} {x:.2f}" for k, x in v.items())
                 cells.append("-" if v is None else str(v))
             table.add_row(*cells)
-        Console(width=max(140, Console().width)).print(table)
+        Console(width=max(180, Console().width)).print(table)
         if json_out:
             json_out.write_text(json.dumps(report, indent=2, default=str))
             err.print(f"figures written to {json_out}")
