@@ -58,15 +58,43 @@ class SubsetCoverage:
         }
 
 
-def _ordered_like(value: Any, schema: Any) -> Any:
-    """The instance with object keys in the schema's ``properties`` order (the constraint's order)."""
-    if isinstance(value, dict) and isinstance(schema, dict):
+def _ordered_like(value: Any, schema: Any, root: Any = None, depth: int = 0) -> Any:
+    """The same JSON value laid out as the constraint writes it: object keys in the schema's
+    ``properties`` order (through local ``$ref``s and ``additionalProperties``; branches of
+    ``anyOf`` / ``oneOf`` are left as they are), and integral floats as integers (JSON Schema counts 6000.0 as
+    the integer 6000; the grammars write it without the fraction)."""
+    root = schema if root is None else root
+    schema = _resolve(schema, root)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if depth > 50 or not isinstance(schema, dict):
+        return value
+    if isinstance(value, dict):
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
         keys = [k for k in props if k in value] + [k for k in value if k not in props]
-        return {k: _ordered_like(value[k], props.get(k, {})) for k in keys}
-    if isinstance(value, list) and isinstance(schema, dict) and isinstance(schema.get("items"), dict):
-        return [_ordered_like(v, schema["items"]) for v in value]
+        return {k: _ordered_like(value[k], props.get(k, extra), root, depth + 1) for k in keys}
+    if isinstance(value, list):
+        items = schema.get("items")
+        if isinstance(items, list):
+            return [_ordered_like(v, items[i] if i < len(items) else {}, root, depth + 1) for i, v in enumerate(value)]
+        return [_ordered_like(v, items if isinstance(items, dict) else {}, root, depth + 1) for v in value]
     return value
+
+
+def _resolve(schema: Any, root: Any) -> Any:
+    """Follow local ``$ref``s (``#/definitions/x``, ``#/$defs/x``), a few levels deep."""
+    for _ in range(10):
+        if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#")):
+            return schema
+        node: Any = root
+        for part in schema["$ref"][1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None:
+            return schema
+        schema = node
+    return schema
 
 
 def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
@@ -100,12 +128,15 @@ def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
             backends_mod._GUIDANCE_CACHE.clear()
         ms = 1000 * (time.perf_counter() - t0)
         rejected = []
-        for text in texts:
-            cursor = compiled.for_request()
-            tokens = tokenize(text)
-            states = cursor.walk(cursor.initial_state, tokens)
-            if len(states) <= len(tokens) or not cursor.is_final(states[-1]):
-                rejected.append(text[:200])
+        for layouts in texts:  # one valid value in one or two layouts; rejected if no layout passes
+            accepted = False
+            for text in layouts:
+                cursor = compiled.for_request()
+                tokens = tokenize(text)
+                states = cursor.walk(cursor.initial_state, tokens)
+                accepted = accepted or (len(states) > len(tokens) and cursor.is_final(states[-1]))
+            if not accepted:
+                rejected.append(layouts[-1][:200])
         relaxed = list(getattr(compiled, "warnings", []))
         conn.send(("ok", ms, "; ".join(relaxed), rejected))
 
@@ -126,7 +157,7 @@ class _CompilePool:
         self._proc.start()
         child.close()
 
-    def run(self, schema: dict, texts: list[str], timeout_s: float) -> tuple[str, float, str, list[str]]:
+    def run(self, schema: dict, texts: list[list[str]], timeout_s: float) -> tuple[str, float, str, list[str]]:
         """``(status, compile_ms, reason, rejected_texts)``; status is ok, refused, error or timeout."""
         self._conn.send((schema, texts))
         if self._conn.poll(timeout_s):
@@ -202,7 +233,10 @@ def run_coverage(
                     sub.refused += 1
                     reasons[type(e).__name__] += 1
                     continue
-                texts = [json.dumps(_ordered_like(v, schema), ensure_ascii=False) for v in instances.get(item["id"], [])]
+                # Each valid value as written in the corpus and as the constraint lays it out
+                # (key order, integral floats): the same JSON value either way.
+                texts = [sorted({json.dumps(v, ensure_ascii=False), json.dumps(_ordered_like(v, schema), ensure_ascii=False)})
+                         for v in instances.get(item["id"], [])]
                 status, ms, error, rejected = pool.run(schema, texts, timeout_s)
                 if status == "refused":
                     sub.refused += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 from pathlib import Path
 
@@ -41,3 +42,15 @@ def test_generation_check_reports_outcomes(smol):
     gen = report["generation"]
     assert gen["schemas"] == 1 and sum(gen["outcomes"].values()) == 1
     assert not mp.active_children()
+
+
+def test_instances_are_laid_out_as_the_constraint_writes_them():
+    from constrained_spec.coverage import _ordered_like
+
+    schema = {"definitions": {"svc": {"type": "object", "properties": {"image": {"type": "string"},
+                                                                       "n": {"type": "integer"}}}},
+              "type": "object", "properties": {"services": {"type": "object", "additionalProperties": {"$ref": "#/definitions/svc"}}}}
+    value = {"services": {"web": {"n": 6000.0, "image": "nginx"}}}
+    out = _ordered_like(value, schema)
+    assert json.dumps(out) == '{"services": {"web": {"image": "nginx", "n": 6000}}}'
+    assert out == value  # the same JSON value
