@@ -233,9 +233,15 @@ def check_schema_support(schema: Any, path: str = "") -> None:
 
 
 def _canonical_layout(regex: str) -> str:
-    """Put exactly one space after ':' and ',' and none elsewhere, where outlines-core put a marker."""
-    m = _WS_MARK
-    return regex.replace(f"{m}:{m}", ": ").replace(f"{m},{m}", ", ").replace(f",{m}", ", ").replace(m, "")
+    """Put exactly one space after ':' and ',' and none elsewhere, where outlines-core put a marker.
+
+    Optional properties put the comma inside an optional group, ``("a": 1<m>,)?<m>"b"``: the
+    space goes inside the group with its comma, or it would stay behind when the group is skipped.
+    """
+    m = re.escape(_WS_MARK)
+    regex = regex.replace(f"{_WS_MARK}:{_WS_MARK}", ": ").replace(f"{_WS_MARK},{_WS_MARK}", ", ")
+    regex = re.sub(f",((?:\\)[?*]?)+\\(*){m}", r", \1", regex)
+    return regex.replace(f",{_WS_MARK}", ", ").replace(_WS_MARK, "")
 
 
 def keyword_path(schema: Any, keyword: str, path: str = "") -> str | None:
