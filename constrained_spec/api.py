@@ -254,7 +254,7 @@ def generate_json(
         ``(value, stats)`` with ``return_stats=True``, or a ``TextStream``.
     """
     schema_dict, model_cls = load_schema(schema)
-    if backend in ("auto", "outlines-core") and (backend == "outlines-core" or AUTO_BACKEND == "outlines-core"):
+    if (AUTO_BACKEND if backend == "auto" else backend) == "outlines-core":
         schema_to_regex(schema_dict, whitespace)  # refuse unsupported keywords before loading a model
     options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                    k_max=k_max, task="json", profile=profile, adaptive=adaptive)

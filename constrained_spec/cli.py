@@ -119,21 +119,27 @@ def json_cmd(
 
     text = _prompt_text(prompt)
 
-    def go() -> None:
-        spec = _schema_arg(schema)
-        options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                       k_max=k_max, profile=profile, adaptive=adaptive, backend=backend, lenient=lenient)
-        if stream:
-            _print_stream(generate_json(_model_arg(model, dtype), spec, text, stream=True, **options), stats)  # type: ignore[arg-type]
-            return
-        value, st = generate_json(_model_arg(model, dtype), spec, text, return_stats=True, **options)  # type: ignore[arg-type]
+    def render(value: Any) -> str:
         if hasattr(value, "model_dump"):
             value = value.model_dump(mode="json")
-        print(json.dumps(value, ensure_ascii=False))
-        if stats:
-            _print_stats(st)
+        return json.dumps(value, ensure_ascii=False)
 
-    _run_guarded(go)
+    _run_guarded(lambda: _generate_and_print(
+        generate_json, _schema_arg(schema), text, render, stream=stream, stats=stats, model=_model_arg(model, dtype),
+        draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, k_max=k_max,
+        profile=profile, adaptive=adaptive, backend=backend, lenient=lenient))
+
+
+def _generate_and_print(generate: Any, target: Any, prompt: str, render: Any, *, stream: bool, stats: bool,
+                        model: Any, **options: Any) -> None:
+    """Run ``generate_json`` / ``generate_regex`` for a command: streamed or whole, stats on stderr."""
+    if stream:
+        _print_stream(generate(model, target, prompt, stream=True, **options), stats)
+        return
+    value, st = generate(model, target, prompt, return_stats=True, **options)
+    print(render(value))
+    if stats:
+        _print_stats(st)
 
 
 def _model_arg(model: Optional[str], dtype: Optional[str]) -> Any:
@@ -193,15 +199,10 @@ def regex_cmd(
 
     text = _prompt_text(prompt)
 
-    def go() -> None:
-        out, st = generate_regex(_model_arg(model, dtype), pattern, text, draft=draft, drafter=drafter, temperature=temperature,  # type: ignore[arg-type]
-                                 seed=seed, max_new_tokens=max_new_tokens, k_max=k_max, profile=profile,
-                                  adaptive=adaptive, return_stats=True)
-        print(out)
-        if stats:
-            _print_stats(st)
-
-    _run_guarded(go)
+    _run_guarded(lambda: _generate_and_print(
+        generate_regex, pattern, text, str, stream=stream, stats=stats, model=_model_arg(model, dtype),
+        draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, k_max=k_max,
+        profile=profile, adaptive=adaptive, backend=backend))
 
 
 @app.command("demo")

@@ -383,14 +383,14 @@ def allowed_bytes(constraint: Any, state: int) -> dict[int, int]:
     cache = constraint.memo.setdefault("allowed_bytes", {})
     hit = cache.get(state)
     if hit is None:
-        table = constraint.memo.setdefault("byte_tokens", {})
-        if not table:
+        if "byte_tokens" not in constraint.memo:
+            table: dict[int, int] = {}
             for tid, b in constraint.vocab.token_bytes.items():
                 if len(b) == 1 and tid != constraint.eos_token_id:
                     table.setdefault(b[0], tid)
-            table[-1] = (torch.tensor(list(table.keys()), dtype=torch.long),
-                         torch.tensor(list(table.values()), dtype=torch.long))
-        byte_ids, token_ids = table[-1]
+            constraint.memo["byte_tokens"] = (torch.tensor(list(table.keys()), dtype=torch.long),
+                                              torch.tensor(list(table.values()), dtype=torch.long))
+        byte_ids, token_ids = constraint.memo["byte_tokens"]
         mask = constraint.allowed_mask(state)
         hit = {}
         for b, t in zip(byte_ids[mask[token_ids]].tolist(), token_ids[mask[token_ids]].tolist()):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,8 +209,6 @@ class JsonlWriter:
     """
 
     def __init__(self, path: Path | str, *, resume: bool = False) -> None:
-        import os
-
         self.path = Path(path)
         self.done_ids: set[str] = set()
         if resume and self.path.exists():
@@ -229,8 +228,6 @@ class JsonlWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record as one line."""
-        import os
-
         line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode()
         os.write(self._fd, line)
         os.fsync(self._fd)
@@ -238,8 +235,6 @@ class JsonlWriter:
 
     def close(self) -> None:
         """Close the file."""
-        import os
-
         os.close(self._fd)
 
     def __del__(self) -> None:

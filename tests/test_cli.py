@@ -42,3 +42,12 @@ def test_json_success_and_token_limit(smol):
     cut = runner.invoke(app, ["json", "schemas/person.json", "--prompt", "Tom", "--max-new-tokens", "3"])
     assert cut.exit_code == 1
     assert "max_new_tokens=3" in cut.output
+
+
+def test_regex_stream_and_backend_options_are_used(smol):
+    pattern = "[0-9]{3}-[0-9]{4}"
+    whole = runner.invoke(app, ["regex", pattern, "--prompt", "A phone extension:", "--backend", "outlines-core"])
+    streamed = runner.invoke(app, ["regex", pattern, "--prompt", "A phone extension:", "--stream", "--stats"])
+    assert whole.exit_code == 0 and streamed.exit_code == 0, streamed.output
+    assert whole.stdout.strip() == streamed.stdout.strip().splitlines()[0]
+    assert "backend llguidance" in streamed.output
