@@ -56,7 +56,7 @@ class GuidanceConstraint:
         self.eos_token_id = vocab.eos_token_id
         self.initial_state = 0
         self.memo: dict[str, dict] = {}
-        self._matcher = LLMatcher(lltokenizer, grammar)
+        self._matcher = LLMatcher(lltokenizer, grammar, limits=parser_limits())
         if self._matcher.is_error():
             raise InvalidSchemaError(f"Invalid grammar: llguidance says {self._matcher.get_error()}")
         # The trie: node -> parent, token, depth; (node, token) -> child; the matcher sits at _at.
@@ -184,6 +184,18 @@ class GuidanceConstraint:
 # --------------------------------------------------------------------------------------------
 
 _LLTOKENIZERS: dict[int, Any] = {}
+#: llguidance's default lexer fuel per mask step (200k) runs out inside long bounded patterns
+#: (``^(\\S+\\s+){0,99}\\S+$`` with ``maxLength: 5000``) and then silently disallows valid
+#: bytes, narrowing the language. 100 times more keeps such strings (measured: a 100-character
+#: answer needs 20M); it is a cap, spent only by the rare pattern that needs it.
+PARSER_LIMITS = {"step_lexer_fuel": 20_000_000, "initial_lexer_fuel": 50_000_000}
+
+
+def parser_limits() -> Any:
+    """The llguidance parser limits every matcher here is built with."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(**PARSER_LIMITS)
 _GUIDANCE_CACHE: dict[tuple[str, str], GuidanceConstraint] = {}
 _LOCK = threading.Lock()
 
@@ -234,7 +246,7 @@ def _compile_guidance(grammar: str, tokenizer: Any, vocab: TokenVocabulary, patt
     if hit is not None:
         return hit
     lltok = _lltokenizer(tokenizer)
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok, limits=parser_limits())
     if is_error:
         msg = messages[0] if messages else "unknown error"
         keyword = _refused_keyword(msg)
@@ -308,14 +320,57 @@ def _compile_guidance_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary,
     from llguidance import LLMatcher
 
     options = _guidance_json_options(whitespace, relax)
+    dropped: list[str] = []
     if relax:
         options["coerce_one_of"] = True  # oneOf enforced as anyOf; exclusivity checked on the output
+        schema, dropped = _without_unsupported_property_counts(schema)
     grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
     pattern = "json:" + json.dumps(schema, sort_keys=True) + json.dumps(options, sort_keys=True)
     constraint = _compile_guidance(grammar, tokenizer, vocab, pattern, kind="json", lenient=relax, schema=schema)
     if relax and keyword_path(schema, "oneOf") is not None and not any("oneOf" in w for w in constraint.warnings):
         constraint.warnings.append("oneOf enforced as anyOf")
+    for path in dropped:
+        note = f"min/maxProperties not enforced at {path or '/'}"
+        if note not in constraint.warnings:
+            constraint.warnings.append(note)
     return constraint
+
+
+def _without_unsupported_property_counts(schema: Any, path: str = "") -> tuple[Any, list[str]]:
+    """The schema without ``minProperties`` / ``maxProperties`` where some listed property is optional.
+
+    llguidance's lenient mode mis-handles them there (``minProperties: 1`` then demands a property
+    outside ``properties``, rejecting valid objects), so they are dropped: the language widens,
+    the output is still validated against the original schema, and the paths are reported.
+    """
+    if isinstance(schema, list):
+        pairs = [_without_unsupported_property_counts(v, f"{path}/{i}") for i, v in enumerate(schema)]
+        return [v for v, _ in pairs], [d for _, ds in pairs for d in ds]
+    if not isinstance(schema, dict):
+        return schema, []
+    out: dict[str, Any] = {}
+    dropped: list[str] = []
+    props = schema.get("properties")
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    optional = isinstance(props, dict) and any(k not in required for k in props)
+    for key, value in schema.items():
+        if key in ("minProperties", "maxProperties") and optional:
+            dropped.append(path)
+            continue
+        if key in ("enum", "const", "default", "examples"):  # data, not schemas
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: names are not keywords
+            out[key] = {}
+            for name, sub in value.items():
+                out[key][name], more = _without_unsupported_property_counts(sub, f"{path}/{key}/{name}")
+                dropped += more
+        else:
+            out[key], more = _without_unsupported_property_counts(value, f"{path}/{key}")
+            dropped += more
+    return out, dropped
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependencies", "dependentSchemas")
 
 
 def _compile_in_worker(conn: Any, spec: Any, tokenizer: Any, options: dict[str, Any]) -> None:

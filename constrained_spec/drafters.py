@@ -266,8 +266,33 @@ class GrammarDrafter:
                 self._forced.clear()  # forced spans through this state change
 
 
-_PHRASE_END = re.compile(r'[\n"]|[.,;:!?)(](?=\s|$)')
+_PHRASE_END = re.compile(r'[\n"]|[.,;:!?)(](?=\s|$)|\s+\(')
 _STRUCTURAL = re.compile(r'[\[\]{}",:]')
+_NEXT_WORD = re.compile(r"\s+([A-Za-z]+)")
+#: Words that start the sentence around an extracted value rather than continue it
+#: ("Maria Gonzalez| is a", "INV-2291| from", "harbour pilot| in Rotterdam").
+_VALUE_STOP_WORDS = frozenset(
+    "is are was were be been being at in on from for to and or with by who whom which that as has have had "
+    "will would can could may might should does did its his her their our your since until after before".split())
+
+
+def _value_end(rest: str, value: str) -> int | None:
+    """Where the copied prompt text most likely stops being the value, or None if it may go on.
+
+    At a phrase end (punctuation, a quote, a newline, an opening parenthesis), before a
+    sentence word, and, for a value that starts capitalized or with a digit (names, titles,
+    codes), before the first lower-case word. A guess: a wrong one costs one verify pass at
+    most, a right one lets the closing quote and the next key land in the same pass.
+    """
+    phrase = _PHRASE_END.search(rest)
+    limit = phrase.start() if phrase else len(rest)
+    first = value.lstrip()[:1]
+    proper = first.isupper() or first.isdigit()
+    for m in _NEXT_WORD.finditer(rest, 0, limit):
+        word = m.group(1)
+        if word.lower() in _VALUE_STOP_WORDS or (proper and word[0].islower()):
+            return m.start()
+    return phrase.start() if phrase else None
 
 
 class CopyDrafter:
@@ -309,17 +334,17 @@ class CopyDrafter:
         if not tail:
             return "", False
         whole = tail == value.lstrip()
+        # The last occurrence: the document comes after the instructions and any system text.
         start = -1
         for m in re.finditer(re.escape(tail), self.prompt_text):
             at_word_start = m.start() == 0 or not self.prompt_text[m.start() - 1].isalnum()
             if not whole or at_word_start:
                 start = m.end()
-                break
         if start < 0:
             return "", False
         rest = self.prompt_text[start : start + self.max_chars]
-        end = _PHRASE_END.search(rest)
-        return (rest[: end.start()], True) if end else (rest, False)
+        end = _value_end(rest, value)
+        return (rest[:end], True) if end is not None else (rest, False)
 
     def _closing(self, state: int) -> str:
         """The character that ends the current value here, when only one can, plus forced text."""
