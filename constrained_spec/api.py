@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
 
 from .backends import AUTO_BACKEND, Backend, GuidanceConstraint, compile_constraint
-from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, load_schema, schema_to_regex
+from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, load_schema, schema_to_regex, vocabulary_of
 from .decoder import DecodeStats, make_decoder
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .profiles import k_max_for
-from .drafters import CopyDrafter, Drafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
+from .drafters import (CopyDrafter, Drafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter,
+                       structural_tokens)
 from .errors import InvalidPromptError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
 
@@ -108,7 +109,8 @@ def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint
         if opts.drafter == "grammar":
             return grammar
         decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
-        parts: list[Any] = [grammar, CopyDrafter(constraint, grammar.tokenize, decode, grammar), LookupDrafter(constraint)]
+        lookup = LookupDrafter(constraint, ignore=structural_tokens(vocabulary_of(tok)))
+        parts: list[Any] = [grammar, CopyDrafter(constraint, grammar.tokenize, decode, grammar), lookup]
         return HybridDrafter(parts + ([model_drafter] if model_drafter is not None else []))
     return None
 

@@ -84,10 +84,14 @@ class LookupDrafter:
 
     name = "lookup"
 
-    def __init__(self, constraint: Constraint, *, max_ngram: int = 3, min_ngram: int = 1, max_candidates: int = 8) -> None:
+    def __init__(self, constraint: Constraint, *, max_ngram: int = 3, min_ngram: int = 1, max_candidates: int = 8,
+                 ignore: frozenset[int] = frozenset()) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"Invalid n-gram range: expected 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}.")
         self.constraint = constraint
+        #: Tokens that cannot make a match on their own: after ``": "`` alone, the last value
+        #: written is no guess at the next one (JSON punctuation, see ``structural_tokens``).
+        self.ignore = ignore
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.max_candidates = max_candidates
@@ -104,6 +108,8 @@ class LookupDrafter:
         best_states: list[int] = [state]
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             tail = ctx[-n:]
+            if self.ignore and all(int(t) in self.ignore for t in tail):
+                continue
             windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # matches end before the tail
             hits = np.flatnonzero((windows == tail).all(axis=1))
             for start in hits[::-1][: self.max_candidates]:  # most recent first
@@ -203,6 +209,18 @@ class ModelDrafter:
         return Draft(tokens, states, q_all, self.name)
 
 
+_STRUCTURAL_TOKENS: dict[str, frozenset[int]] = {}
+
+
+def structural_tokens(vocab: Any) -> frozenset[int]:
+    """Ids of tokens made only of JSON punctuation and whitespace (``": "``, ``",``, ``{"``), per vocabulary."""
+    found = _STRUCTURAL_TOKENS.get(vocab.fingerprint)
+    if found is None:
+        found = frozenset(t for t, b in vocab.token_bytes.items() if b and not b.strip(b' \t\n\r"{}[],:'))
+        _STRUCTURAL_TOKENS[vocab.fingerprint] = found
+    return found
+
+
 class GrammarDrafter:
     """Text the constraint forces next (keys, quotes, colons, commas, brackets, enum prefixes).
 
@@ -266,7 +284,7 @@ class GrammarDrafter:
                 self._forced.clear()  # forced spans through this state change
 
 
-_PHRASE_END = re.compile(r'[\n"]|[.,;:!?)(](?=\s|$)|\s+\(')
+_PHRASE_END = re.compile(r'[\n"<]|[.,;:!?)(](?=[\s<]|$)|\s+\(')  # "<": a chat marker follows
 _STRUCTURAL = re.compile(r'[\[\]{}",:]')
 _NEXT_WORD = re.compile(r"\s+([A-Za-z]+)")
 #: Words that start the sentence around an extracted value rather than continue it

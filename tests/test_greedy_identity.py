@@ -62,3 +62,31 @@ def test_target_as_its_own_draft_accepts_everything(smol, models, prompt):
     assert res.stats.target_forwards <= -(-len(res.tokens) // (k + 1)) + 1
     assert res.tokens == decode(target, constraint, prompt, max_new_tokens=40).tokens
 
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_skipping_rows_of_single_token_states_changes_nothing(smol, models, prompt, monkeypatch, temperature):
+    """Rows whose state allows one token are not projected onto the vocabulary; the tokens (and,
+    sampling with one seed, every random draw) equal those of a decoder that computes every row."""
+    from constrained_spec.decoder import SpeculativeDecoder
+
+    target, draft = models
+    constraint = constraint_for("schemas/invoice.json", smol)
+    kept: list[int] = []
+    real_forward = SpeculativeDecoder._forward
+
+    def counting_forward(self, ids, rows):
+        if not isinstance(rows, int):
+            kept.append(len(rows))
+        return real_forward(self, ids, rows)
+
+    monkeypatch.setattr(SpeculativeDecoder, "_forward", counting_forward)
+    options = dict(drafter=LookupDrafter(constraint), k=4, temperature=temperature, seed=7, max_new_tokens=48)
+    skipped = decode(target, constraint, prompt, **options)
+    rows_skipped = sum(k + 1 for k in skipped.stats.ks) - sum(kept)
+    monkeypatch.setattr(SpeculativeDecoder, "_single_token", lambda self, state, mask: False)
+    kept.clear()
+    full = decode(target, constraint, prompt, **options)
+    assert sum(kept) == sum(k + 1 for k in full.stats.ks)  # the reference computed every row
+    assert rows_skipped > 0  # some states of the schema allow a single token
+    assert skipped.tokens == full.tokens
