@@ -49,11 +49,13 @@ class DecodeStats:
     #: Per step: constraint seconds and the step's total seconds (for p50 / p99 and the share).
     constraint_step_seconds: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    #: The first step's pass, which carries the prompt and verifies the first draft.
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     constraint_seconds: float = 0.0
     total_seconds: float = 0.0
+    #: Output tokens over the whole request (prompt pass included).
     tokens_per_second: float = 0.0
     forwards_per_token: float = 0.0
     finished: bool = False
@@ -71,8 +73,7 @@ class DecodeStats:
     def finish(self) -> None:
         """Fill the derived ratios."""
         self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
-        decode_s = self.total_seconds - self.prefill_seconds
-        self.tokens_per_second = self.output_tokens / decode_s if decode_s > 0 else 0.0
+        self.tokens_per_second = self.output_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
         self.forwards_per_token = self.target_forwards / self.output_tokens if self.output_tokens else 0.0
 
 
@@ -141,16 +142,18 @@ class SpeculativeDecoder:
         self.cache = DynamicCache(config=target.config)
         self.last = self.prompt_ids[-1]
         self._single: dict[int, bool] = {}
+        self._pending: list[int] = []
         self.stats = DecodeStats(drafter=drafter.name if drafter else "none", prompt_tokens=len(prompt_ids))
         self._started = time.perf_counter()
 
     @torch.no_grad()
-    def _forward(self, ids: list[int], rows: int | list[int]) -> torch.Tensor:
+    def _forward(self, ids: list[int], rows: int | list[int], first: int = 0) -> torch.Tensor:
         """Feed ``ids`` through the target with the cache and return logits.
 
-        ``rows`` an int: logits ``[rows, V]`` of the last ``rows`` positions. A list of positions:
-        logits ``[len(ids), V]`` where only those rows are computed and the others are zero; the
-        vocabulary projection is a fifth of a forward here, so rows nobody reads are skipped.
+        ``rows`` an int: logits ``[rows, V]`` of the last ``rows`` positions. A list of positions
+        (each >= ``first``): logits ``[len(ids) - first, V]`` for positions ``first..``, where only
+        the listed rows are computed and the others are zero; the vocabulary projection is a
+        fifth of a forward here, so rows nobody reads are skipped.
         """
         if isinstance(rows, int):
             keep: int | torch.Tensor = rows
@@ -161,8 +164,8 @@ class SpeculativeDecoder:
         logits = out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
         if isinstance(rows, int):
             return logits
-        full = torch.zeros(len(ids), logits.shape[-1], dtype=logits.dtype)
-        full[rows] = logits
+        full = torch.zeros(len(ids) - first, logits.shape[-1], dtype=logits.dtype)
+        full[[r - first for r in rows]] = logits
         return full
 
     def _single_token(self, state: int, mask: torch.Tensor) -> bool:
@@ -173,13 +176,11 @@ class SpeculativeDecoder:
         return single
 
     def prefill(self) -> None:
-        """Fill the target cache with the prompt minus its last token (that one starts step 1)."""
-        t0 = time.perf_counter()
+        """Reset the drafter. The prompt (minus its last token) is not fed on its own: it rides
+        in the first step's verify pass, which saves one forward per request."""
         if self.drafter is not None:
             self.drafter.reset(self.prompt_ids)
-        if len(self.prompt_ids) > 1:
-            self._forward(self.prompt_ids[:-1], 1)
-        self.stats.prefill_seconds = time.perf_counter() - t0
+        self._pending = self.prompt_ids[:-1]
 
     def step(self) -> list[int]:
         """One speculative step; returns the tokens it emitted (EOS excluded) and updates all state."""
@@ -206,11 +207,16 @@ class SpeculativeDecoder:
                 "The constraint reached a state where no token is allowed (a dead end of the grammar); "
                 f"output so far has {len(self.output)} tokens. Simplify the schema or pattern."
             )
-        rows = [i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
+        pending, self._pending = self._pending, []
+        first = len(pending)
+        rows = [first + i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
         tc = time.perf_counter()
-        # 4. Verify: one target forward over [last, x_1..x_k] -> logits for k + 1 positions, masked.
-        logits = self._forward([self.last, *draft.tokens], rows)  # [k+1, V]
+        # 4. Verify: one target forward over [last, x_1..x_k] (after the prompt, in the first
+        # step) -> logits for k + 1 positions, masked.
+        logits = self._forward([*pending, self.last, *draft.tokens], rows, first)  # [k+1, V]
         t2 = time.perf_counter()
+        if pending:
+            st.prefill_seconds = t2 - tc
         for i, mask in enumerate(masks):
             apply_mask(logits[i], mask)
         x = torch.tensor(draft.tokens, dtype=torch.long)
@@ -237,7 +243,7 @@ class SpeculativeDecoder:
             self.finished = True  # only EOS is left: target-only decoding would emit it with p = 1
         t3 = time.perf_counter()
         # 6. Book-keeping for the K policy and the stats.
-        self.k_policy.update(draft.token_kinds(), n, t2 - tc, t1 - t0)
+        self.k_policy.update(draft.token_kinds(), n, None if first else t2 - tc, t1 - t0)
         st.target_forwards += 1
         st.drafted += k
         st.accepted += n

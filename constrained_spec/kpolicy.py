@@ -15,7 +15,8 @@ the survival probability of each position taken from the kind that drafted it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+import math
+from typing import Callable, Protocol, Sequence
 
 #: Priors for alpha per drafter kind (seeds before any request has been seen), overwritten by
 #: what recent requests measured (``_RECENT_ALPHA``). A kind's first token of a run and the
@@ -26,7 +27,11 @@ PRIOR_ALPHA = {"grammar": 0.85, "grammar+": 0.95, "copy": 0.6, "copy+": 0.85, "l
                "model": 0.6, "model+": 0.6}
 #: Prior cost of one extra verified token, as a fraction of a one-token forward (CPU, measured).
 PRIOR_C_VERIFY = 0.1
+#: Prior of the concave fit verify = t0 (1 + r log2(1 + K)): r = 0.25 here (31 ms for one new
+#: token, 66 ms for 21 on the 2-core CPU); recent requests' fits replace it (``_RECENT_CURVE``).
+PRIOR_R_CURVE = 0.25
 _RECENT_ALPHA: dict[str, float] = {}
+_RECENT_CURVE: list[float] = []
 
 
 def alpha_keys(kinds: Sequence[str]) -> list[str]:
@@ -43,8 +48,8 @@ class KPolicy(Protocol):
     def trim(self, kinds: Sequence[str]) -> int:
         """How many of the proposed tokens (of these kinds) to send to the verifier."""
 
-    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float, draft_seconds: float) -> None:
-        """Learn from the last step."""
+    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float | None, draft_seconds: float) -> None:
+        """Learn from the last step (``verify_seconds`` None: the pass also carried the prompt)."""
 
 
 @dataclass
@@ -61,8 +66,12 @@ class FixedK:
         """Verify the whole proposal."""
         return len(kinds)
 
-    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float, draft_seconds: float) -> None:
+    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float | None, draft_seconds: float) -> None:
         """Nothing to learn."""
+
+
+def _concave(k: int) -> float:
+    return math.log2(1 + k)
 
 
 def optimal_k(alpha: float, c: float, k_max: int) -> int:
@@ -77,9 +86,19 @@ def optimal_k(alpha: float, c: float, k_max: int) -> int:
 
 
 @dataclass
-class _LinearCost:
-    """Least-squares fit of verify seconds = t0 + t1 * k, with a prior ratio until data varies."""
+class _CostFit:
+    """Least-squares fit of verify seconds = t0 + t1 * g(k), with a prior ratio until data varies.
 
+    ``g`` is the shape of the cost in K: linear for the formula with a draft model; concave
+    (``log2(1 + k)``) for trimming free drafts, which is how a verify pass grows here (a CPU
+    forward over 1, 8, 12, 20 new tokens: 31, 55, 60, 66 ms) and on an accelerator with room
+    to spare; a linear fit would overrate the cost of the long tail of a forced span.
+    """
+
+    g: Callable[[int], float] = float
+    #: The ratio before data (the prior), and how many steps of data it weighs.
+    prior: float = PRIOR_C_VERIFY
+    prior_weight: float = 4.0
     n: float = 0.0
     sk: float = 0.0
     skk: float = 0.0
@@ -87,29 +106,33 @@ class _LinearCost:
     skt: float = 0.0
 
     def add(self, k: int, t: float) -> None:
+        x = self.g(k)
         self.n += 1
-        self.sk += k
-        self.skk += k * k
+        self.sk += x
+        self.skk += x * x
         self.st += t
-        self.skt += k * t
+        self.skt += x * t
 
     def one_token_seconds(self) -> float:
-        """Estimated t0, the time of a one-token verify pass."""
+        """Estimated t0, the time of a plain (K = 0) verify pass."""
         if not self.n:
             return 0.0
         mean_k, mean_t = self.sk / self.n, self.st / self.n
         return mean_t / (1 + self.ratio() * mean_k)
 
     def ratio(self) -> float:
-        """t1 / t0: the cost of one more verified token relative to a one-token pass."""
+        """t1 / t0: the cost of one more unit of g(K) relative to a plain pass.
+
+        The fit is shrunk towards the prior (a few noisy steps whose K barely varies can put
+        t0 near zero and the ratio sky-high) and capped at 1.
+        """
         var = self.n * self.skk - self.sk * self.sk
-        if self.n < 4 or var <= 1e-9:
-            return PRIOR_C_VERIFY
+        if self.n < 2 or var / self.n**2 < 0.25:  # the K values seen do not span a range yet
+            return self.prior
         t1 = (self.n * self.skt - self.sk * self.st) / var
         t0 = (self.st - t1 * self.sk) / self.n
-        if t0 <= 0:
-            return PRIOR_C_VERIFY
-        return min(max(t1 / t0, 0.0), 2.0)
+        fit = min(max(t1 / t0, 0.0), 1.0) if t0 > 0 else self.prior
+        return (self.n * fit + self.prior_weight * self.prior) / (self.n + self.prior_weight)
 
 
 @dataclass
@@ -129,7 +152,8 @@ class AdaptiveK:
     prior_weight: float = 4.0
     _succ: dict[str, float] = field(default_factory=dict)
     _trials: dict[str, float] = field(default_factory=dict)
-    _cost: _LinearCost = field(default_factory=_LinearCost)
+    _cost: _CostFit = field(default_factory=_CostFit)
+    _curve: _CostFit = field(default_factory=lambda: _CostFit(g=_concave, prior=(_RECENT_CURVE or [PRIOR_R_CURVE])[-1]))
     _draft_per_token: float = 0.0
     _skipped: int = 0
     _seed: dict[str, float] = field(default_factory=dict)
@@ -156,7 +180,8 @@ class AdaptiveK:
         if self.costly_draft:
             # The formula's objective with the first and the continuing tokens' alphas; equal
             # to optimal_k(alpha, c, k_max) when the two estimates agree.
-            return self._best_prefix(["model"] * self.k_max, self.c())
+            c = self.c()
+            return self._best_prefix(["model"] * self.k_max, lambda j: c * j)
         return self.k_max
 
     def trim(self, kinds: Sequence[str]) -> int:
@@ -168,7 +193,8 @@ class AdaptiveK:
         drawn. Looking further ahead would make the verified length depend on sampled draft
         tokens and bias the output distribution.
         """
-        keep = self._best_prefix(kinds[: self.k_max], self._cost.ratio())
+        r = self._curve.ratio()
+        keep = self._best_prefix(kinds[: self.k_max], lambda j: r * _concave(j))
         if keep == 0 and kinds:
             # Probe now and then, so an estimate that fell too low can recover.
             self._skipped += 1
@@ -176,19 +202,20 @@ class AdaptiveK:
                 keep = 1
         return keep
 
-    def _best_prefix(self, kinds: Sequence[str], c: float) -> int:
-        """First-stop argmax over j of (1 + sum_{i<=j} prod_{m<=i} alpha_m) / (1 + c j)."""
+    def _best_prefix(self, kinds: Sequence[str], extra: Callable[[int], float]) -> int:
+        """First-stop argmax over j of (1 + sum_{i<=j} prod_{m<=i} alpha_m) / (1 + extra(j)),
+        ``extra(j)`` the cost of verifying j more tokens relative to a plain pass."""
         survive, expected, value, keep = 1.0, 1.0, 1.0, 0
         for j, key in enumerate(alpha_keys(kinds), start=1):
             survive *= self.alpha(key)
-            nxt = (expected + survive) / (1 + c * j)
+            nxt = (expected + survive) / (1 + extra(j))
             if nxt <= value + 1e-12:
                 break
             expected, value, keep = expected + survive, nxt, j
         return keep
 
-    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float, draft_seconds: float) -> None:
-        """Count accepted / examined positions per kind; refit the cost model."""
+    def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float | None, draft_seconds: float) -> None:
+        """Count accepted / examined positions per kind; refit the cost model (not on the prompt's pass)."""
         keys = alpha_keys(kinds)
         for key in set(self._succ) | set(keys):
             self._succ[key] = self._succ.get(key, 0.0) * self.decay
@@ -199,7 +226,11 @@ class AdaptiveK:
         for key in set(keys):
             _RECENT_ALPHA[key] = self.alpha(key)
         k = len(kinds)
-        self._cost.add(k, verify_seconds)
+        if verify_seconds is not None:
+            self._cost.add(k, verify_seconds)
+            self._curve.add(k, verify_seconds)
+            if self._curve.n >= 4:
+                _RECENT_CURVE[:] = [self._curve.ratio()]
         if k and self.costly_draft and draft_seconds > 0:
             per = draft_seconds / k
             self._draft_per_token = per if not self._draft_per_token else 0.8 * self._draft_per_token + 0.2 * per

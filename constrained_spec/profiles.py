@@ -19,12 +19,14 @@ K_MAX_PROFILES: dict[str, dict[str, int]] = {
     "h100-80gb": {"text": 5, "code": 5, "json": 8, "chat": 6},
     "h100-80gb-x8": {"text": 6, "code": 5, "json": 10, "chat": 7},
     "gb200-nvl72": {"text": 8, "code": 7, "json": 12, "chat": 9},
-    # Measured on a 2-core CPU with SmolLM2-135M: a forward over 1, 4, 8, 13 new tokens takes
-    # about 35, 53, 65, 80 ms, i.e. each extra verified token costs ~0.1 of a forward. With
-    # grammar-forced tokens accepted ~80% of the time, drafts up to 12 pay for json (the
-    # adaptive policy trims the unlikely tail of each draft); for free text, where lookup or a
-    # draft model lands ~40-50%, (1 - a^(K+1)) / ((1 - a)(0.1 K + 1)) peaks at K = 3-4.
-    "cpu": {"text": 4, "code": 4, "json": 12, "chat": 4},
+    # Measured on a 2-core CPU with SmolLM2-135M (float32): a forward over 1, 8, 12, 16, 20, 24
+    # new tokens takes about 31, 55, 60, 63, 66, 70 ms once the vocabulary rows of single-token
+    # states are skipped, so past 8 tokens each extra verified token costs ~0.02 of a forward.
+    # Forced and copied json spans are accepted ~90% of the time and often run past 12 tokens
+    # (`"INV-2291", "vendor": "`), so json drafts up to 20 pay (bench: fixed K 12 / 16 / 20 gave
+    # 2.87x / 2.99x / 3.04x); the adaptive policy trims the unlikely tail of each draft. For free
+    # text, where lookup or a draft model lands ~40-50%, the formula peaks at K = 3-4.
+    "cpu": {"text": 4, "code": 4, "json": 20, "chat": 4},
 }
 
 

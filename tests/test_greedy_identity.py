@@ -75,10 +75,10 @@ def test_skipping_rows_of_single_token_states_changes_nothing(smol, models, prom
     kept: list[int] = []
     real_forward = SpeculativeDecoder._forward
 
-    def counting_forward(self, ids, rows):
+    def counting_forward(self, ids, rows, first=0):
         if not isinstance(rows, int):
             kept.append(len(rows))
-        return real_forward(self, ids, rows)
+        return real_forward(self, ids, rows, first)
 
     monkeypatch.setattr(SpeculativeDecoder, "_forward", counting_forward)
     options = dict(drafter=LookupDrafter(constraint), k=4, temperature=temperature, seed=7, max_new_tokens=48)

@@ -25,20 +25,28 @@ def test_optimal_k_drops_to_plain_decoding_when_speculation_does_not_pay():
     assert optimal_k(0.95, 0.02, 8) == 8
 
 
-def test_trim_is_the_global_argmax_for_mixed_kinds():
+def test_trim_stops_at_the_first_maximum_of_the_objective():
+    """The verified prefix is where the objective first stops rising (deciding position i from
+    the kinds of 1..i only keeps sampling exact), with the fitted concave verify cost."""
     policy = AdaptiveK(k_max=12)
     policy._succ = {"grammar": 90.0, "grammar+": 20.0, "lookup": 3.0, "lookup+": 6.0, "model": 30.0}
     policy._trials = {"grammar": 100.0, "grammar+": 21.0, "lookup": 10.0, "lookup+": 10.0, "model": 50.0}
-    c = policy._cost.ratio()
+    for k, t in [(0, 0.031), (1, 0.040), (8, 0.055), (12, 0.060), (20, 0.066)]:  # a CPU's verify times
+        policy.update([], 0, t, 0.0) if k == 0 else policy._curve.add(k, t)
+    r = policy._curve.ratio()
+    assert 0.05 < r < 0.5  # fitted, not the prior
     rng = np.random.default_rng(0)
     for _ in range(200):
         kinds = list(rng.choice(["grammar", "lookup", "model"], size=rng.integers(1, 13)))
         keys = [k + "+" if i and kinds[i - 1] == k else k for i, k in enumerate(kinds)]
         survive = np.cumprod([policy.alpha(k) for k in keys])
-        values = np.concatenate([[1.0], (1 + np.cumsum(survive)) / (1 + c * np.arange(1, len(kinds) + 1))])
-        best = int(np.argmax(values))
+        values = np.concatenate([[1.0], (1 + np.cumsum(survive)) / (1 + r * np.log2(2 + np.arange(len(kinds))))])
+        falls = np.flatnonzero(np.diff(values) <= 1e-12)
+        best = int(falls[0]) if len(falls) else len(kinds)
         got = policy.trim(kinds)
         assert got == best or (best == 0 and got == 1)  # 1 = the periodic probe
+    assert policy.trim(["grammar"] * 12) == 12  # a likely forced span is verified whole
+    assert policy.trim(["lookup"] * 12) < 12  # an unlikely guess is cut
 
 
 def test_adaptive_estimates_follow_acceptance():
