@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from .constraint import (
-    DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, Constraint, TokenVocabulary, allowed_bytes, compile_regex, keyword_path,
-    load_schema, schema_to_regex, vocabulary_of,
+    DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, SCHEMA_MAPS, Constraint, TokenVocabulary, allowed_bytes, compile_regex,
+    keyword_path, load_schema, schema_to_regex, vocabulary_of,
 )
 from .errors import InvalidRegexError, InvalidSchemaError, UnsupportedSchemaFeatureError
 
@@ -359,7 +359,7 @@ def _without_unsupported_property_counts(schema: Any, path: str = "") -> tuple[A
             continue
         if key in ("enum", "const", "default", "examples"):  # data, not schemas
             out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: names are not keywords
+        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: names are not keywords
             out[key] = {}
             for name, sub in value.items():
                 out[key][name], more = _without_unsupported_property_counts(sub, f"{path}/{key}/{name}")
@@ -369,8 +369,6 @@ def _without_unsupported_property_counts(schema: Any, path: str = "") -> tuple[A
             dropped += more
     return out, dropped
 
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependencies", "dependentSchemas")
 
 
 def _compile_in_worker(conn: Any, spec: Any, tokenizer: Any, options: dict[str, Any]) -> None:

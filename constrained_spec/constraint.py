@@ -200,7 +200,40 @@ def load_schema(schema: Any) -> tuple[dict, type | None]:
     except jsonschema.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.absolute_path)
         raise InvalidSchemaError(f"Invalid schema at {where}: {e.message}") from None
+    if _REF_OVERRIDES_SIBLINGS.search(str(schema.get("$schema", ""))):
+        schema = _without_ref_siblings(schema)
     return schema, model_cls
+
+
+#: Drafts in which ``$ref`` replaces its object: "all other properties in a $ref object MUST be
+#: ignored" (draft-07 8.3). The grammar engines intersect the siblings instead (2019-09 rules),
+#: which would forbid values the draft allows (``{"type": "string", "$ref": "#/obj"}``).
+_REF_OVERRIDES_SIBLINGS = re.compile(r"draft-0[3-7]\b")
+_KEPT_BESIDE_REF = frozenset({"$ref", "definitions", "$defs", "$schema", "$id", "id", "title", "description",
+                              "$comment"})
+
+
+def _without_ref_siblings(schema: Any) -> Any:
+    """The schema with the keywords a draft-03..07 ``$ref`` overrides removed (definitions kept)."""
+    if isinstance(schema, list):
+        return [_without_ref_siblings(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if isinstance(schema.get("$ref"), str) and key not in _KEPT_BESIDE_REF:
+            continue
+        if key in ("enum", "const", "default", "examples"):  # data, not schemas
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: a name is no keyword
+            out[key] = {name: _without_ref_siblings(sub) for name, sub in value.items()}
+        else:
+            out[key] = _without_ref_siblings(value)
+    return out
+
+
+#: Keywords whose value maps names to subschemas.
+SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependencies", "dependentSchemas")
 
 
 def check_schema_support(schema: Any, path: str = "") -> None:

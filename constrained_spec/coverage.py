@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .backends import compile_constraint
 from .constraint import DEFAULT_JSON_WHITESPACE, compile_regex, load_schema, schema_to_regex, vocabulary_of
 from .errors import ConstrainedSpecError, UnsupportedSchemaFeatureError
-from .instances import byte_matcher, serialization_in_language
+from .instances import byte_matcher, search_serialization
 
 
 @dataclass
@@ -60,10 +60,10 @@ class SubsetCoverage:
 
 
 def _ordered_like(value: Any, schema: Any, root: Any = None, depth: int = 0) -> Any:
-    """The same JSON value laid out as the constraint writes it: object keys in the schema's
-    ``properties`` order (through local ``$ref``s and ``additionalProperties``; branches of
-    ``anyOf`` / ``oneOf`` are left as they are), and integral floats as integers (JSON Schema counts 6000.0 as
-    the integer 6000; the grammars write it without the fraction)."""
+    """The same JSON value laid out as the constraint most likely writes it: object keys in the
+    schema's property order (merged through local ``$ref``s and ``allOf`` / ``anyOf`` / ``oneOf``
+    branches, first appearance first; unlisted keys last), and integral floats as integers (JSON
+    Schema counts 6000.0 as the integer 6000; the grammars write it without the fraction)."""
     root = schema if root is None else root
     schema = _resolve(schema, root)
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
@@ -71,16 +71,43 @@ def _ordered_like(value: Any, schema: Any, root: Any = None, depth: int = 0) -> 
     if depth > 50 or not isinstance(schema, dict):
         return value
     if isinstance(value, dict):
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        props = _properties(schema, root)
         extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
         keys = [k for k in props if k in value] + [k for k in value if k not in props]
         return {k: _ordered_like(value[k], props.get(k, extra), root, depth + 1) for k in keys}
     if isinstance(value, list):
-        items = schema.get("items")
+        items = _first(schema, root, "items")
         if isinstance(items, list):
             return [_ordered_like(v, items[i] if i < len(items) else {}, root, depth + 1) for i, v in enumerate(value)]
         return [_ordered_like(v, items if isinstance(items, dict) else {}, root, depth + 1) for v in value]
     return value
+
+
+def _branches(schema: dict, root: Any, depth: int = 0) -> list[dict]:
+    """The schema and, recursively, its ``allOf`` / ``anyOf`` / ``oneOf`` branches (resolved)."""
+    out = [schema]
+    if depth < 10:
+        for key in ("allOf", "anyOf", "oneOf"):
+            for branch in schema.get(key) or []:
+                branch = _resolve(branch, root)
+                if isinstance(branch, dict):
+                    out += _branches(branch, root, depth + 1)
+    return out
+
+
+def _properties(schema: dict, root: Any) -> dict[str, Any]:
+    """Property name -> subschema, in order of first appearance across the branches."""
+    props: dict[str, Any] = {}
+    for branch in _branches(schema, root):
+        if isinstance(branch.get("properties"), dict):
+            for name, sub in branch["properties"].items():
+                props.setdefault(name, sub)
+    return props
+
+
+def _first(schema: dict, root: Any, key: str) -> Any:
+    """The first value of ``key`` across the schema's branches."""
+    return next((b[key] for b in _branches(schema, root) if key in b), None)
 
 
 def _resolve(schema: Any, root: Any) -> Any:
@@ -149,11 +176,10 @@ def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
                 continue
             # Slow path: any key order and number spelling, searched on the byte-level language.
             matcher = matcher or byte_matcher(grammar)
-            found = serialization_in_language(matcher, value)
+            found, where = search_serialization(matcher, _ordered_like(value, schema))
             if found is not None and _accepts(compiled, tokenize(found)):
                 continue
-            note = "" if found is None else " (the language holds it; its token walk is rejected)"
-            rejected.append(layouts[-1][:200] + note)
+            rejected.append(where if found is None else found[:120] + " (in the language; its token walk is rejected)")
         relaxed = list(getattr(compiled, "warnings", []))
         conn.send(("ok", ms, "; ".join(relaxed), rejected))
 

@@ -12,12 +12,16 @@ token by token through the real constraint.
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Callable
 
 #: Matcher steps one value may spend on the search before it counts as rejected.
-DEFAULT_BUDGET = 50_000
+DEFAULT_BUDGET = 200_000
+_STACK_BYTES = 256 * 1024 * 1024
+_RECURSION_LIMIT = 200_000
 
 
 class _ByteTokens:
@@ -65,6 +69,9 @@ class _Search:
         self.matcher = matcher
         self.budget = budget
         self.pieces: list[bytes] = []
+        self.length = 0
+        #: The longest text the language accepted as a prefix, and the piece it refused next.
+        self.deepest = (b"", b"")
 
     def _eat(self, piece: bytes) -> bool:
         self.budget -= 1
@@ -72,15 +79,20 @@ class _Search:
             raise _OutOfBudget
         n = self.matcher.try_consume_tokens(list(piece))
         if n < len(piece):
+            if self.length + n > len(self.deepest[0]):
+                self.deepest = (b"".join(self.pieces) + piece[:n], piece[n:])
             if n:
                 self.matcher.rollback(n)
             return False
         self.pieces.append(piece)
+        self.length += len(piece)
         return True
 
     def _undo(self, mark: int) -> None:
         while len(self.pieces) > mark:
-            self.matcher.rollback(len(self.pieces.pop()))
+            piece = self.pieces.pop()
+            self.length -= len(piece)
+            self.matcher.rollback(len(piece))
 
     def _then(self, piece: bytes, rest: Callable[[], bool]) -> bool:
         mark = len(self.pieces)
@@ -104,7 +116,7 @@ class _Search:
     def _members(self, obj: dict, keys: list[str], first: bool, rest: Callable[[], bool]) -> bool:
         if not keys:
             return self._then(b"}", rest)
-        for key in keys:  # the constraint fixes the order; a wrong key fails on its first bytes
+        for key in keys:  # tried in the value's order first: pass the value in the constraint's layout
             head = (b"{" if first else b", ") + json.dumps(key, ensure_ascii=False).encode("utf-8") + b": "
             others = [k for k in keys if k != key]
             if self._then(head, lambda: self.value(obj[key], lambda: self._members(obj, others, False, rest))):
@@ -130,13 +142,44 @@ def byte_matcher(grammar: str) -> Any:
 def serialization_in_language(matcher: Any, value: Any, budget: int = DEFAULT_BUDGET) -> str | None:
     """A serialization of ``value`` that ``matcher``'s language accepts as a whole, or None.
 
-    None also when the search runs out of ``budget`` matcher steps or recursion depth.
+    Object keys are tried in the value's own order first, then the others, so a value already
+    laid out in the constraint's key order is found without backtracking. None also when the
+    search runs out of ``budget`` matcher steps.
     """
+    found, _ = search_serialization(matcher, value, budget)
+    return found
+
+
+def search_serialization(matcher: Any, value: Any, budget: int = DEFAULT_BUDGET) -> tuple[str | None, str]:
+    """``(serialization or None, where it failed)``: on failure, the longest accepted prefix
+    the search reached, then ``⟂``, then the piece the language refused there."""
     matcher.reset()
     search = _Search(matcher, budget)
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(search.value(value, matcher.is_accepting))
+        except _OutOfBudget:
+            outcome.append(f" (search stopped after {budget} steps)")
+        except RecursionError:
+            outcome.append(" (value nested too deeply to search)")
+
+    # Each nesting level and each member costs a few Python frames: search on a thread with
+    # a large stack and a raised recursion limit (restored after).
+    limit = sys.getrecursionlimit()
+    old_stack = threading.stack_size(_STACK_BYTES)
     try:
-        if search.value(value, matcher.is_accepting):
-            return b"".join(search.pieces).decode("utf-8")
-    except (_OutOfBudget, RecursionError):
-        pass
-    return None
+        sys.setrecursionlimit(max(limit, _RECURSION_LIMIT))
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+    finally:
+        threading.stack_size(old_stack)
+        sys.setrecursionlimit(limit)
+    if outcome and outcome[0] is True:
+        return b"".join(search.pieces).decode("utf-8"), ""
+    reason = outcome[0] if outcome and isinstance(outcome[0], str) else ""
+    prefix, refused = search.deepest
+    where = prefix[-80:].decode("utf-8", "replace") + "⟂" + refused[:40].decode("utf-8", "replace")
+    return None, where + reason

@@ -151,3 +151,53 @@ def test_grammar_learns_the_targets_tokenization(smol):
     assert again.tokens[0] == alt
     assert tok.decode(again.tokens) == tok.decode(first.tokens)
     assert constraint.walk(s0, again.tokens) == again.states
+
+
+@pytest.mark.parametrize("value, rest, expected", [
+    ("Maria", " Gonzalez is a 34-year-old architect", " Gonzalez"),  # a sentence word ends a name
+    ("Tom", " Okafor (52) now works", " Okafor"),  # an opening parenthesis
+    ("The", " Spring Robotics Meetup takes place", " Spring Robotics Meetup"),  # lower case after a title
+    ("harbour", " pilot in Rotterdam.", " pilot"),  # a lower-case value runs to a sentence word
+    ("2", "024-03-05. Amount due", "024-03-05"),  # a full stop before a space
+    ("daniel.", "kim@northwind.io or call", "kim@northwind.io"),  # a dot inside a word is not an end
+    ("Rot", "terdam.<|im_end|>", "terdam"),  # a chat marker follows the document
+    ("Bank", " of the West", ""),  # a guess: "of" after a proper name ends it (wrong here; costs one pass)
+    ("Acme", " Tools GmbH Berlin", None),  # nothing ends it: copy on
+])
+def test_copy_guesses_where_a_value_ends(value, rest, expected):
+    from constrained_spec.drafters import _value_end
+
+    end = _value_end(rest, value)
+    assert (rest[:end] if end is not None else None) == expected
+
+
+def test_copy_closes_a_name_and_prefers_the_document_over_earlier_text(smol, compiled):
+    from constrained_spec.drafters import CopyDrafter
+
+    constraint = compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]]
+    tok = smol.tokenizer
+    grammar = GrammarDrafter(constraint, tokenize_with(tok))
+    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids), grammar)
+    # "Maria" occurs twice: in the instructions (followed by "Callas") and in the document
+    prompt = tok("Like Maria Callas, write JSON.\nText: Maria Gonzalez is a 34-year-old architect.")["input_ids"]
+    copy.reset(prompt)
+    out = tokenize_with(tok)('{"name": "Maria')
+    state = constraint.walk(constraint.initial_state, out)[-1]
+    d = copy.propose(prompt + out, state, 20)
+    assert tok.decode(d.tokens) == ' Gonzalez", "age": '  # the name, its close and the forced next key
+
+
+def test_lookup_ignores_matches_made_of_punctuation(smol, compiled):
+    from constrained_spec.constraint import vocabulary_of
+    from constrained_spec.drafters import structural_tokens
+
+    constraint = compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]]
+    tok = smol.tokenizer
+    ignore = structural_tokens(vocabulary_of(tok))
+    assert all(tok.decode([t]).strip(' \t\n\r"{}[],:') == "" for t in ignore)
+    assert tok('": "', add_special_tokens=False)["input_ids"][0] in ignore
+    out = tokenize_with(tok)('{"name": "Maria Gonzalez", "age": 34, "city": "')
+    state = constraint.walk(constraint.initial_state, out)[-1]
+    # the last tokens ' "' also followed "name": ... earlier: a plain lookup proposes "Maria" again
+    assert LookupDrafter(constraint).propose(out, state, 4).tokens
+    assert LookupDrafter(constraint, ignore=ignore).propose(out, state, 4).tokens == []

@@ -61,3 +61,27 @@ def test_lenient_drops_min_properties_it_cannot_enforce_and_names_it(smol_tokeni
     assert any("min/maxProperties not enforced at /" in w for w in compiled.warnings)
     for value in ({"a": 1}, {"b": True}, {"a": 1, "b": False}):
         assert serialization_in_language(matcher, value) is not None
+
+
+def test_draft_07_ref_replaces_its_siblings(smol_tokenizer):
+    """Draft-07: "all other properties in a $ref object MUST be ignored"; the engines would
+    intersect them (a string that is also an object: nothing)."""
+    from constrained_spec.constraint import load_schema
+
+    raw = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+           "properties": {"sensor": {"type": "string", "$ref": "#/definitions/reading"}},
+           "definitions": {"reading": {"type": "object", "properties": {"v": {"type": "number"}}, "required": ["v"]}}}
+    schema, _ = load_schema(raw)
+    assert schema["properties"]["sensor"] == {"$ref": "#/definitions/reading"}
+    compiled, matcher = _language(schema, smol_tokenizer)
+    assert serialization_in_language(matcher, {"sensor": {"v": 1.5}}) == '{"sensor": {"v": 1.5}}'
+    later, _ = load_schema({**raw, "$schema": "https://json-schema.org/draft/2020-12/schema"})
+    assert later["properties"]["sensor"]["type"] == "string"  # 2019-09 on: siblings apply
+
+
+def test_layout_follows_properties_merged_through_all_of(smol_tokenizer):
+    from constrained_spec.coverage import _ordered_like
+
+    schema = {"allOf": [{"$ref": "#/definitions/base"}, {"properties": {"z": {"type": "integer"}}}],
+              "definitions": {"base": {"properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}}}
+    assert list(_ordered_like({"z": 1, "a": 2, "b": 3, "extra": 4}, schema)) == ["b", "a", "z", "extra"]
