@@ -33,7 +33,7 @@ class BenchConfig:
     adaptive: bool = True
 
 
-def default_configs(fixed_ks: tuple[int, ...] = (2, 4, 8, 12)) -> list[BenchConfig]:
+def default_configs(fixed_ks: tuple[int, ...] = (4, 8, 12, 16, 20)) -> list[BenchConfig]:
     """Target-only, each drafter alone, hybrid at fixed K values, and hybrid adaptive (the default)."""
     return [
         BenchConfig(BASELINE, "none"),

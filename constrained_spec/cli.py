@@ -330,7 +330,7 @@ def coverage_cmd(
             raise ValueError(f"Invalid corpus: {corpus} is not a folder.")
         handle = resolve_model(model)
         reports = []
-        out = Console(width=max(120, Console().width))
+        out = Console(width=max(160, Console().width))
         for be in backend:
             report = run_coverage(corpus, handle.tokenizer, sample=sample, timeout_s=timeout_s, subsets=subset,
                                   backend=be, lenient=lenient, generate=generate, model=handle,
@@ -342,7 +342,7 @@ def coverage_cmd(
             cols = {"subset": "subset", "schemas": "schemas", "compiled_pct": "compiled %", "refused": "refused",
                     "timeouts": "timeouts", "errors": "errors", "relaxed": "relaxed", "compile_ms_p50": "ms p50",
                     "compile_ms_p90": "ms p90", "valid_instances_checked": "instances",
-                    "valid_instances_rejected": "rejected"}
+                    "valid_instances_rejected": "rejected", "valid_instances_undetermined": "undetermined"}
             for c, header in cols.items():
                 table.add_column(header, justify="left" if c == "subset" else "right", no_wrap=True)
             for row in report["rows"]:
@@ -365,7 +365,7 @@ def coverage_cmd(
 def bench_cmd(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {id, schema, prompt}; default: benchmarks/extraction.jsonl."),
     model: Optional[str] = ModelOpt,
-    fixed_k: str = typer.Option("2,4,8,12", "--fixed-k", help="Comma-separated fixed K values to compare with adaptive K."),
+    fixed_k: str = typer.Option("4,8,12,16,20", "--fixed-k", help="Comma-separated fixed K values to compare with adaptive K."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     profile: Optional[str] = ProfileOpt,
     dtype: Optional[str] = DtypeOpt,

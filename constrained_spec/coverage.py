@@ -11,6 +11,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import statistics
 import time
 from collections import Counter
@@ -38,6 +39,8 @@ class SubsetCoverage:
     relaxed: int = 0
     instances_checked: int = 0
     instances_rejected: int = 0
+    #: Valid instances the search could neither find nor rule out within its budget.
+    instances_undetermined: int = 0
     rejected_examples: list[str] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
@@ -56,6 +59,7 @@ class SubsetCoverage:
             "compile_ms_p90": pct(0.9),
             "valid_instances_checked": self.instances_checked,
             "valid_instances_rejected": self.instances_rejected,
+            "valid_instances_undetermined": self.instances_undetermined,
         }
 
 
@@ -157,16 +161,17 @@ def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
                 compiled = compile_regex(regex, vocab, use_disk_cache=False)
                 grammar = LLMatcher.grammar_from_regex(regex)
         except UnsupportedSchemaFeatureError as e:
-            conn.send(("refused", 0.0, f"unsupported keyword {e.keyword}", []))
+            conn.send(("refused", 0.0, f"unsupported keyword {e.keyword}", ([], [])))
             continue
         except Exception as e:  # the backends raise with free-form text
-            conn.send(("error", 0.0, str(e).split("\n")[0][:200], []))
+            conn.send(("error", 0.0, str(e).split("\n")[0][:200], ([], [])))
             continue
         finally:
             constraint_mod._MEMORY_CACHE.clear()  # one schema at a time: keep the worker small
             backends_mod._GUIDANCE_CACHE.clear()
         ms = 1000 * (time.perf_counter() - t0)
-        rejected = []
+        rejected: list[str] = []
+        undetermined: list[str] = []
         matcher = None
         for value in values:
             # Fast path: the value as the corpus writes it, and as the constraint lays it out.
@@ -176,12 +181,17 @@ def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
                 continue
             # Slow path: any key order and number spelling, searched on the byte-level language.
             matcher = matcher or byte_matcher(grammar)
-            found, where = search_serialization(matcher, _ordered_like(value, schema))
-            if found is not None and _accepts(compiled, tokenize(found)):
+            result = search_serialization(matcher, _ordered_like(value, schema))
+            if result.found is not None and _accepts(compiled, tokenize(result.found)):
                 continue
-            rejected.append(where if found is None else found[:120] + " (in the language; its token walk is rejected)")
+            if result.found is not None:
+                rejected.append(result.found[:120] + " (in the language; its token walk is rejected)")
+            elif result.complete:
+                rejected.append(result.where)
+            else:
+                undetermined.append(result.where)
         relaxed = list(getattr(compiled, "warnings", []))
-        conn.send(("ok", ms, "; ".join(relaxed), rejected))
+        conn.send(("ok", ms, "; ".join(relaxed), (rejected, undetermined)))
 
 
 class _CompilePool:
@@ -200,14 +210,16 @@ class _CompilePool:
         self._proc.start()
         child.close()
 
-    def run(self, schema: dict, values: list[Any], timeout_s: float) -> tuple[str, float, str, list[str]]:
-        """``(status, compile_ms, reason, rejected_texts)``; status is ok, refused, error or timeout."""
+    def run(self, schema: dict, values: list[Any],
+            timeout_s: float) -> tuple[str, float, str, tuple[list[str], list[str]]]:
+        """``(status, compile_ms, reason, (rejected, undetermined))``; status is ok, refused, error
+        or timeout; the lists say where each rejected or undetermined instance stopped."""
         self._conn.send((schema, values))
         if self._conn.poll(timeout_s):
             return self._conn.recv()
         self.close()
         self._start()
-        return ("timeout", 1000 * timeout_s, f"no result within {timeout_s:g} s", [])
+        return ("timeout", 1000 * timeout_s, f"no result within {timeout_s:g} s", ([], []))
 
     def close(self) -> None:
         """Stop the worker and wait for it."""
@@ -277,7 +289,7 @@ def run_coverage(
                     reasons[type(e).__name__] += 1
                     continue
                 values = instances.get(item["id"], [])
-                status, ms, error, rejected = pool.run(schema, values, timeout_s)
+                status, ms, error, (rejected, undetermined) = pool.run(schema, values, timeout_s)
                 if status == "refused":
                     sub.refused += 1
                     reasons[error] += 1
@@ -287,11 +299,13 @@ def run_coverage(
                         compiled_schemas.append(schema)
                     if error:
                         sub.relaxed += 1
-                        relaxed.update(error.split("; "))
+                        relaxed.update({re.sub(r"\s*\(\d+ times\)", "", w) for w in error.split("; ")})
                     sub.compile_ms.append(ms)
                     sub.instances_checked += len(values)
                     sub.instances_rejected += len(rejected)
+                    sub.instances_undetermined += len(undetermined)
                     sub.rejected_examples += [f"{item['id']}: {t}" for t in rejected[:1]]
+                    sub.rejected_examples += [f"{item['id']} (undetermined): {t}" for t in undetermined[:1]]
                 elif status == "timeout":
                     sub.timeouts += 1
                     reasons["compile timeout"] += 1
@@ -306,7 +320,7 @@ def run_coverage(
     total = SubsetCoverage("all")
     for sub in results:
         for name in ("schemas", "compiled", "refused", "timeouts", "errors", "relaxed", "instances_checked",
-                     "instances_rejected"):
+                     "instances_rejected", "instances_undetermined"):
             setattr(total, name, getattr(total, name) + getattr(sub, name))
         total.compile_ms += sub.compile_ms
     generation = _generate_check(compiled_schemas, model, backend, lenient) if generate else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from dataclasses import dataclass
 from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Callable
@@ -139,6 +140,21 @@ def byte_matcher(grammar: str) -> Any:
     return LLMatcher(_byte_tokenizer(), grammar, limits=parser_limits())
 
 
+@dataclass(frozen=True)
+class SearchResult:
+    """The outcome of looking for a value in a language.
+
+    ``found``: an accepted serialization, or None. ``complete``: the search tried every
+    option, so None means the language holds no serialization of the value (False: it ran out
+    of budget or depth and cannot tell). ``where``: on failure, the longest accepted prefix the
+    search reached, ``⟂``, and the piece the language refused there.
+    """
+
+    found: str | None
+    complete: bool = True
+    where: str = ""
+
+
 def serialization_in_language(matcher: Any, value: Any, budget: int = DEFAULT_BUDGET) -> str | None:
     """A serialization of ``value`` that ``matcher``'s language accepts as a whole, or None.
 
@@ -146,13 +162,11 @@ def serialization_in_language(matcher: Any, value: Any, budget: int = DEFAULT_BU
     laid out in the constraint's key order is found without backtracking. None also when the
     search runs out of ``budget`` matcher steps.
     """
-    found, _ = search_serialization(matcher, value, budget)
-    return found
+    return search_serialization(matcher, value, budget).found
 
 
-def search_serialization(matcher: Any, value: Any, budget: int = DEFAULT_BUDGET) -> tuple[str | None, str]:
-    """``(serialization or None, where it failed)``: on failure, the longest accepted prefix
-    the search reached, then ``⟂``, then the piece the language refused there."""
+def search_serialization(matcher: Any, value: Any, budget: int = DEFAULT_BUDGET) -> SearchResult:
+    """Search ``matcher``'s language for a serialization of ``value`` (see ``SearchResult``)."""
     matcher.reset()
     search = _Search(matcher, budget)
     outcome: list[Any] = []
@@ -178,8 +192,8 @@ def search_serialization(matcher: Any, value: Any, budget: int = DEFAULT_BUDGET)
         threading.stack_size(old_stack)
         sys.setrecursionlimit(limit)
     if outcome and outcome[0] is True:
-        return b"".join(search.pieces).decode("utf-8"), ""
+        return SearchResult(b"".join(search.pieces).decode("utf-8"))
     reason = outcome[0] if outcome and isinstance(outcome[0], str) else ""
     prefix, refused = search.deepest
     where = prefix[-80:].decode("utf-8", "replace") + "⟂" + refused[:40].decode("utf-8", "replace")
-    return None, where + reason
+    return SearchResult(None, complete=not reason, where=where + reason)
