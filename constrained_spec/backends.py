@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from .constraint import (
-    DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, SCHEMA_MAPS, Constraint, TokenVocabulary, allowed_bytes, compile_regex,
-    keyword_path, load_schema, schema_to_regex, vocabulary_of,
+    DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, Constraint, TokenVocabulary, allowed_bytes, compile_regex, keyword_path,
+    load_schema, map_subschemas, schema_to_regex, vocabulary_of,
 )
 from .errors import InvalidRegexError, InvalidSchemaError, UnsupportedSchemaFeatureError
 
@@ -336,38 +336,25 @@ def _compile_guidance_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary,
     return constraint
 
 
-def _without_unsupported_property_counts(schema: Any, path: str = "") -> tuple[Any, list[str]]:
+def _without_unsupported_property_counts(schema: Any) -> tuple[Any, list[str]]:
     """The schema without ``minProperties`` / ``maxProperties`` where some listed property is optional.
 
     llguidance's lenient mode mis-handles them there (``minProperties: 1`` then demands a property
     outside ``properties``, rejecting valid objects), so they are dropped: the language widens,
     the output is still validated against the original schema, and the paths are reported.
     """
-    if isinstance(schema, list):
-        pairs = [_without_unsupported_property_counts(v, f"{path}/{i}") for i, v in enumerate(schema)]
-        return [v for v, _ in pairs], [d for _, ds in pairs for d in ds]
-    if not isinstance(schema, dict):
-        return schema, []
-    out: dict[str, Any] = {}
     dropped: list[str] = []
-    props = schema.get("properties")
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
-    optional = isinstance(props, dict) and any(k not in required for k in props)
-    for key, value in schema.items():
-        if key in ("minProperties", "maxProperties") and optional:
+
+    def drop(node: dict, path: str) -> dict:
+        props = node.get("properties")
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if not (isinstance(props, dict) and any(k not in required for k in props)):
+            return node
+        if "minProperties" in node or "maxProperties" in node:
             dropped.append(path)
-            continue
-        if key in ("enum", "const", "default", "examples"):  # data, not schemas
-            out[key] = value
-        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: names are not keywords
-            out[key] = {}
-            for name, sub in value.items():
-                out[key][name], more = _without_unsupported_property_counts(sub, f"{path}/{key}/{name}")
-                dropped += more
-        else:
-            out[key], more = _without_unsupported_property_counts(value, f"{path}/{key}")
-            dropped += more
-    return out, dropped
+        return {k: v for k, v in node.items() if k not in ("minProperties", "maxProperties")}
+
+    return map_subschemas(schema, drop), dropped
 
 
 

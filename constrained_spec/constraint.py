@@ -18,7 +18,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from outlines_core import Index, Vocabulary
@@ -215,20 +215,33 @@ _KEPT_BESIDE_REF = frozenset({"$ref", "definitions", "$defs", "$schema", "$id", 
 
 def _without_ref_siblings(schema: Any) -> Any:
     """The schema with the keywords a draft-03..07 ``$ref`` overrides removed (definitions kept)."""
+
+    def drop(node: dict, path: str) -> dict:
+        if not isinstance(node.get("$ref"), str):
+            return node
+        return {k: v for k, v in node.items() if k in _KEPT_BESIDE_REF}
+
+    return map_subschemas(schema, drop)
+
+
+def map_subschemas(schema: Any, fix: Callable[[dict, str], dict], path: str = "") -> Any:
+    """A copy of ``schema`` with ``fix(node, json_pointer)`` applied to every subschema, outside in.
+
+    Data keywords (``enum``, ``const``, ``default``, ``examples``) are left alone, and in maps
+    of names to subschemas (``properties``, ``$defs``...) a name is never taken for a keyword.
+    """
     if isinstance(schema, list):
-        return [_without_ref_siblings(v) for v in schema]
+        return [map_subschemas(v, fix, f"{path}/{i}") for i, v in enumerate(schema)]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if isinstance(schema.get("$ref"), str) and key not in _KEPT_BESIDE_REF:
-            continue
-        if key in ("enum", "const", "default", "examples"):  # data, not schemas
+    for key, value in fix(schema, path).items():
+        if key in ("enum", "const", "default", "examples"):
             out[key] = value
-        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: a name is no keyword
-            out[key] = {name: _without_ref_siblings(sub) for name, sub in value.items()}
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: map_subschemas(sub, fix, f"{path}/{key}/{name}") for name, sub in value.items()}
         else:
-            out[key] = _without_ref_siblings(value)
+            out[key] = map_subschemas(value, fix, f"{path}/{key}")
     return out
 
 
