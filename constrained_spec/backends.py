@@ -39,6 +39,9 @@ BACKENDS = ("auto", "outlines-core", "llguidance")
 #: valid instance (outlines-core rejected over a third); decoding speed is the same. See the
 #: README's "Constraint backends".
 AUTO_BACKEND = "llguidance"
+#: Masks kept per request (oldest dropped first): one is vocab-size bytes (48 KiB here), and a
+#: long generation visits thousands of trie nodes, few of them twice.
+_MAX_CACHED_MASKS = 512
 
 
 class GuidanceConstraint:
@@ -139,6 +142,8 @@ class GuidanceConstraint:
             mask = torch.from_numpy(bits[: self.vocab.size].astype(bool))
             if self.eos_token_id < mask.shape[0] and not self.is_final(state):
                 mask[self.eos_token_id] = False  # our invariant: EOS only where the text is complete
+            if len(self._masks) >= _MAX_CACHED_MASKS:  # nodes behind the output are not revisited
+                del self._masks[next(iter(self._masks))]
             self._masks[state] = mask
         return mask
 
