@@ -73,6 +73,7 @@ class GuidanceConstraint:
         self._final: dict[int, bool] = {}
         self._done: dict[int, bool] = {}
         self._ff: dict[int, bytes] = {}
+        self._bits = torch.zeros((lltokenizer.vocab_size + 31) // 32, dtype=torch.int32)
 
     def for_request(self) -> "GuidanceConstraint":
         """A fresh matcher and trie over the same compiled grammar."""
@@ -138,7 +139,9 @@ class GuidanceConstraint:
         mask = self._masks.get(state)
         if mask is None:
             self._goto(state)
-            bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            # Written in place into the request's preallocated bitmask (no bytes object per step).
+            self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+            bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
             mask = torch.from_numpy(bits[: self.vocab.size].astype(bool))
             if self.eos_token_id < mask.shape[0] and not self.is_final(state):
                 mask[self.eos_token_id] = False  # our invariant: EOS only where the text is complete
