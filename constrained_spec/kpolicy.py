@@ -7,15 +7,16 @@ chooses K by the expected tokens per unit of time (Leviathan et al. 2023):
 
     K* = argmax_K (1 - a^(K+1)) / ((1 - a)(K c + 1)),   c = (draft cost + t1) / t0
 
-For deterministic drafters (forced text, lookup) the draft is free and its tokens are known
-before the target runs, so the same objective picks how much of the proposal to verify, with
-the survival probability of each position taken from the kind that drafted it.
+For deterministic drafters (forced text, copy, lookup) the draft is free and its tokens are
+known before the target runs, so the same objective picks how much of the proposal to verify,
+with the survival probability of each position taken from the kind that drafted it, and the
+verify cost fitted as t0 (1 + r log2(1 + K)): a pass grows concavely in the tokens it checks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import math
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 #: Priors for alpha per drafter kind (seeds before any request has been seen), overwritten by
