@@ -93,7 +93,8 @@ def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
     return list(ids)
 
 
-def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint: Constraint) -> Drafter | None:
+def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint: Constraint,
+                  prompt: str | None = None) -> Drafter | None:
     model_drafter = None
     if draft is not None and opts.drafter in ("model", "hybrid"):
         draft_handle = resolve_model(draft, role="draft")
@@ -110,7 +111,7 @@ def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint
             return grammar
         decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
         lookup = LookupDrafter(constraint, ignore=structural_tokens(vocabulary_of(tok)))
-        parts: list[Any] = [grammar, CopyDrafter(constraint, grammar.tokenize, decode, grammar), lookup]
+        parts: list[Any] = [grammar, CopyDrafter(constraint, grammar.tokenize, decode, grammar, source=prompt), lookup]
         return HybridDrafter(parts + ([model_drafter] if model_drafter is not None else []))
     return None
 
@@ -164,7 +165,7 @@ def _stream(
         handle.model,
         constraint,
         prompt_ids,
-        drafter=_make_drafter(opts, handle, draft, constraint),
+        drafter=_make_drafter(opts, handle, draft, constraint, prompt),
         k_policy=opts.k_policy(),
         temperature=opts.temperature,
         seed=opts.seed,

@@ -328,19 +328,22 @@ class CopyDrafter:
 
     def __init__(self, constraint: Constraint, tokenize: Callable[[str], list[int]],
                  decode: Callable[[list[int]], str], grammar: GrammarDrafter | None = None,
-                 *, max_chars: int = 48) -> None:
+                 *, max_chars: int = 48, source: str | None = None) -> None:
         self.constraint = constraint
         self.tokenize = tokenize
         self.decode = decode
         self.grammar = grammar
         self.max_chars = max_chars
+        #: The text to copy from: the user's prompt when the caller knows it (a chat template's
+        #: system text would otherwise offer "Hugging Face" after an "H"); else the decoded prompt.
+        self.source = source
         self.prompt_len = 0
         self.prompt_text = ""
 
     def reset(self, prompt_ids: list[int]) -> None:
-        """Remember the prompt's text."""
+        """Remember the prompt's length and the text to copy from."""
         self.prompt_len = len(prompt_ids)
-        self.prompt_text = self.decode(prompt_ids)
+        self.prompt_text = self.source if self.source is not None else self.decode(prompt_ids)
 
     def _continuation(self, output_text: str) -> tuple[str, bool]:
         """Prompt text continuing the current value, and whether it stops at a phrase end."""
