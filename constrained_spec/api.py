@@ -14,12 +14,19 @@ from typing import Any, Callable, Iterator, Literal
 from .backends import AUTO_BACKEND, Backend, GuidanceConstraint, compile_constraint
 from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, load_schema, schema_to_regex, vocabulary_of
 from .decoder import DecodeStats, make_decoder
-from .kpolicy import AdaptiveK, FixedK, KPolicy
-from .profiles import k_max_for
-from .drafters import (CopyDrafter, Drafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter,
-                       structural_tokens)
+from .drafters import (
+    CopyDrafter,
+    Drafter,
+    GrammarDrafter,
+    HybridDrafter,
+    LookupDrafter,
+    ModelDrafter,
+    structural_tokens,
+)
 from .errors import InvalidPromptError, OutputValidationError, TokenLimitError
+from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .models import ModelHandle, check_same_tokenizer, resolve_model
+from .profiles import k_max_for
 
 DrafterName = Literal["none", "model", "lookup", "grammar", "hybrid", "auto"]
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from .api import generate_json
 from .backends import compile_constraint
 from .constraint import load_schema, schema_to_regex
@@ -115,10 +117,7 @@ class ConfigFigures:
 
 def _pct_ms(values: list[float], q: float) -> float | None:
     """The q-quantile of ``values`` (seconds) in milliseconds."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+    return round(1000 * float(np.quantile(values, q)), 3) if values else None
 
 
 def load_prompts(path: Path | str = DEFAULT_PROMPTS) -> list[dict[str, Any]]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from .backends import compile_constraint
 from .constraint import DEFAULT_JSON_WHITESPACE, compile_regex, load_schema, schema_to_regex, vocabulary_of
 from .errors import ConstrainedSpecError, UnsupportedSchemaFeatureError
@@ -45,8 +47,8 @@ class SubsetCoverage:
 
     def row(self) -> dict[str, Any]:
         """Figures for the table and ``--json``."""
-        ms = sorted(self.compile_ms)
-        pct = lambda q: round(ms[min(len(ms) - 1, int(q * len(ms)))], 1) if ms else None  # noqa: E731
+        ms = self.compile_ms
+        pct = lambda q: round(float(np.quantile(ms, q)), 1) if ms else None  # noqa: E731
         return {
             "subset": self.name,
             "schemas": self.schemas,

@@ -12,10 +12,9 @@ Deterministic drafters (prompt lookup) return ``q = None``: q is one-hot at the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
-
-import re
 
 import numpy as np
 import torch
