@@ -52,3 +52,21 @@ def test_caches_after_rollback_equal_fresh_forward():
             assert drafter.cached_ids[: len(before)] == before
             assert_same_cache(drafter.cache, fresh_cache(draft, drafter.cached_ids))
         assert rejected_steps > 0, "the test must exercise rollback"
+
+
+def test_forced_language_and_one_token_prompt():
+    """Every state allows one token: no vocabulary row is computed, yet the output is the forced
+    text, the cache matches a fresh forward, and a one-token prompt (nothing to carry) works."""
+    vocab = TokenVocabulary.build({1: b"a", 2: b"b", 4: b"c"}, 0, size=7)
+    constraint = compile_regex(r"abcab", vocab, use_disk_cache=False)
+    target = tiny_llama(10, seed=8)
+    for prompt in ([6], [6, 1, 2]):
+        dec = SpeculativeDecoder(target, constraint, prompt, k_policy=FixedK(0), max_new_tokens=10)
+        rows: list[int] = []
+        real = dec._forward
+        dec._forward = lambda ids, keep, first=0: (rows.append(len(keep)), real(ids, keep, first))[1]
+        for _ in dec.run():
+            pass
+        assert dec.output == [1, 2, 4, 1, 2] and dec.finished
+        assert rows and all(n == 0 for n in rows)  # single-token states: no logits computed
+        assert_same_cache(dec.cache, fresh_cache(target, (prompt + dec.output)[:-1]))
