@@ -350,21 +350,30 @@ class CopyDrafter:
         for last in _STRUCTURAL.finditer(output_text):
             pass
         value = output_text[last.end():] if last else output_text
-        tail = value.lstrip()[-24:]
-        if not tail:
-            return "", False
-        whole = tail == value.lstrip()
-        # The last occurrence: the document comes after the instructions and any system text.
-        start = -1
-        for m in re.finditer(re.escape(tail), self.prompt_text):
-            at_word_start = m.start() == 0 or not self.prompt_text[m.start() - 1].isalnum()
-            if not whole or at_word_start:
-                start = m.end()
+        start = self._find(value.lstrip())
         if start < 0:
             return "", False
         rest = self.prompt_text[start : start + self.max_chars]
         end = _value_end(rest, value)
         return (rest[:end], True) if end is not None else (rest, False)
+
+    def _find(self, value: str) -> int:
+        """Where the prompt continues ``value``: the end of the last occurrence of its longest
+        tail (24, 12 or 6 characters; a whole value must start a word there), matched exactly,
+        else ignoring case (a model writes "Architect" for "architect"); -1 if none."""
+        if not value:
+            return -1
+        tails = [t for t in dict.fromkeys(value[-n:] for n in (24, 12, 6)) if len(t) >= 3 or t == value]
+        for flags in (0, re.IGNORECASE):
+            for tail in tails:
+                start = -1
+                for m in re.finditer(re.escape(tail), self.prompt_text, flags):
+                    at_word_start = m.start() == 0 or not self.prompt_text[m.start() - 1].isalnum()
+                    if tail != value or at_word_start:
+                        start = m.end()  # the last occurrence: the document comes after the instructions
+                if start >= 0:
+                    return start
+        return -1
 
     def _closing(self, state: int) -> str:
         """The character that ends the current value here, when only one can, plus forced text."""

@@ -201,3 +201,16 @@ def test_lookup_ignores_matches_made_of_punctuation(smol, compiled):
     # the last tokens ' "' also followed "name": ... earlier: a plain lookup proposes "Maria" again
     assert LookupDrafter(constraint).propose(out, state, 4).tokens
     assert LookupDrafter(constraint, ignore=ignore).propose(out, state, 4).tokens == []
+
+
+def test_copy_matches_a_recased_value_and_a_changed_start(smol):
+    """A model that writes "Arch" for the prompt's "architect", or "john.kim@..." for
+    "daniel.kim@...", still gets the rest of the value and its end proposed."""
+    from constrained_spec.drafters import CopyDrafter
+
+    copy = CopyDrafter(None, None, None, None,  # type: ignore[arg-type]
+                       source="Maria is an architect who lives in Oslo. Mail daniel.kim@northwind.io or call.")
+    copy.reset([])
+    assert copy._continuation('{"occupation": "Arch') == ("itect", True)
+    assert copy._continuation('{"email": "john.kim@north') == ("wind.io", True)
+    assert copy._continuation('{"city": "Bergen') == ("", False)  # nothing to copy
