@@ -283,10 +283,12 @@ def _canonical_layout(regex: str) -> str:
 
     Optional properties put the comma inside an optional group, ``("a": 1<m>,)?<m>"b"``: the
     space goes inside the group with its comma, or it would stay behind when the group is skipped.
+    A required property before an optional one, ``"a": 1<m>,(<m>"b": 2<m>,)?<m>"c"``, keeps the
+    space right after its comma, before the group opens.
     """
     m = re.escape(_WS_MARK)
     regex = regex.replace(f"{_WS_MARK}:{_WS_MARK}", ": ").replace(f"{_WS_MARK},{_WS_MARK}", ", ")
-    regex = re.sub(f",((?:\\)[?*]?)+\\(*){m}", r", \1", regex)
+    regex = re.sub(f",((?:\\)[?*]?)*\\(*){m}", r", \1", regex)
     return regex.replace(f",{_WS_MARK}", ", ").replace(_WS_MARK, "")
 
 
