@@ -177,13 +177,13 @@ def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
         matcher = None
         for value in values:
             # Fast path: the value as the corpus writes it, and as the constraint lays it out.
-            layouts = sorted({json.dumps(value, ensure_ascii=False),
-                              json.dumps(_ordered_like(value, schema), ensure_ascii=False)})
+            ordered = _ordered_like(value, schema)
+            layouts = sorted({json.dumps(value, ensure_ascii=False), json.dumps(ordered, ensure_ascii=False)})
             if any(_accepts(compiled, tokenize(text)) for text in layouts):
                 continue
             # Slow path: any key order and number spelling, searched on the byte-level language.
             matcher = matcher or byte_matcher(grammar)
-            result = search_serialization(matcher, _ordered_like(value, schema))
+            result = search_serialization(matcher, ordered)
             if result.found is not None and _accepts(compiled, tokenize(result.found)):
                 continue
             if result.found is not None:

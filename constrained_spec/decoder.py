@@ -147,23 +147,15 @@ class SpeculativeDecoder:
         self._started = time.perf_counter()
 
     @torch.no_grad()
-    def _forward(self, ids: list[int], rows: int | list[int], first: int = 0) -> torch.Tensor:
-        """Feed ``ids`` through the target with the cache and return logits.
-
-        ``rows`` an int: logits ``[rows, V]`` of the last ``rows`` positions. A list of positions
-        (each >= ``first``): logits ``[len(ids) - first, V]`` for positions ``first..``, where only
-        the listed rows are computed and the others are zero; the vocabulary projection is a
-        fifth of a forward here, so rows nobody reads are skipped.
-        """
-        if isinstance(rows, int):
-            keep: int | torch.Tensor = rows
-        else:
-            keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+    def _forward(self, ids: list[int], rows: list[int], first: int = 0) -> torch.Tensor:
+        """Feed ``ids`` through the target with the cache; logits ``[len(ids) - first, V]`` for
+        positions ``first..``, where only the listed ``rows`` (each >= ``first``) are computed and
+        the others are zero: the vocabulary projection is a fifth of a forward here, so rows
+        nobody reads are skipped."""
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
         out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
                           logits_to_keep=keep)
         logits = out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
-        if isinstance(rows, int):
-            return logits
         full = torch.zeros(len(ids) - first, logits.shape[-1], dtype=logits.dtype)
         full[[r - first for r in rows]] = logits
         return full
