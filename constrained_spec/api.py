@@ -1,85 +1,21 @@
 """The public entry points: ``generate_json`` and ``generate_regex``.
 
-Everything is validated before decoding starts (schema, pattern, prompt, draft tokenizer,
-options), so bad input raises a clear error and leaves nothing half-done.
+Everything is validated before decoding starts (options, schema or pattern, model, draft
+tokenizer, prompt), so bad input raises a clear error and leaves nothing half-done. A schema
+goes one way: loaded once, compiled once (cached), one matcher for the request.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator
 
-from .backends import AUTO_BACKEND, Backend, GuidanceConstraint, compile_constraint
-from .constraint import DEFAULT_JSON_WHITESPACE, Constraint, load_schema, schema_to_regex, vocabulary_of
-from .decoder import DecodeStats, make_decoder
-from .drafters import (
-    CopyDrafter,
-    Drafter,
-    GrammarDrafter,
-    HybridDrafter,
-    LookupDrafter,
-    ModelDrafter,
-    structural_tokens,
-)
-from .errors import InvalidPromptError, OutputValidationError, TokenLimitError
-from .kpolicy import AdaptiveK, FixedK, KPolicy
+from .constraint import CompiledConstraint, JsonSchema, compile_constraint, load_schema
+from .decoding import DecodeStats, SpecOptions, SpeculativeDecoder
+from .drafters import build_drafter
+from .errors import InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
-from .profiles import k_max_for
-
-DrafterName = Literal["none", "model", "lookup", "grammar", "hybrid", "auto"]
-
-DRAFTERS = ("none", "model", "lookup", "grammar", "hybrid", "auto")
-
-
-@dataclass(frozen=True)
-class SpecOptions:
-    """Speculation options, validated once. ``k_max`` comes from the hardware / task profile
-    unless given; ``adaptive`` picks K per step within it (else K = k_max every step).
-
-    Policies from production practice and where they stand here: speculation is switched off
-    for batches above ``batched.SPECULATION_MAX_BATCH`` (8) in ``extract``; it is *not* switched
-    off for short outputs, because measurement says it pays even there (the 34-token demo
-    extraction: 1.65x), and the adaptive policy already drops to K = 0 on its own when drafts
-    stop landing. Loaded models are warmed up once (``models.warm_up``).
-    """
-
-    drafter: str
-    k_max: int
-    temperature: float
-    seed: int | None
-    max_new_tokens: int
-    profile: str = "cpu"
-    adaptive: bool = True
-
-    @staticmethod
-    def build(drafter: str, draft: Any, k_max: int | None, temperature: float, seed: int | None,
-              max_new_tokens: int, *, task: str = "json", profile: str | None = None,
-              adaptive: bool = True) -> "SpecOptions":
-        """Resolve ``auto`` and defaults; raise ``ValueError`` naming the bad option."""
-        if drafter not in DRAFTERS:
-            raise ValueError(f"Invalid drafter: expected one of {', '.join(map(repr, DRAFTERS))}, got {drafter!r}.")
-        if drafter == "model" and draft is None:
-            raise ValueError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='hybrid'.")
-        if drafter == "auto":
-            drafter = "hybrid"  # forced text, then lookup, then the draft model when given
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"Invalid max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}.")
-        profile, profile_k = k_max_for(profile, task)
-        if k_max is None:
-            k_max = profile_k if drafter != "none" else 0
-        if not isinstance(k_max, int) or k_max < 0:
-            raise ValueError(f"Invalid k_max: expected an integer >= 0, got {k_max!r}.")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"Invalid temperature: expected a number >= 0, got {temperature!r}.")
-        return SpecOptions(drafter, k_max, float(temperature), seed, max_new_tokens, profile, adaptive)
-
-    def k_policy(self) -> KPolicy:
-        """The K policy for one request."""
-        if self.drafter == "none" or not self.adaptive:
-            return FixedK(self.k_max if self.drafter != "none" else 0)
-        return AdaptiveK(self.k_max, costly_draft=self.drafter == "model")
 
 
 def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
@@ -100,29 +36,6 @@ def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
     return list(ids)
 
 
-def _make_drafter(opts: SpecOptions, target: ModelHandle, draft: Any, constraint: Constraint,
-                  prompt: str | None = None) -> Drafter | None:
-    model_drafter = None
-    if draft is not None and opts.drafter in ("model", "hybrid"):
-        draft_handle = resolve_model(draft, role="draft")
-        check_same_tokenizer(target, draft_handle)
-        model_drafter = ModelDrafter(draft_handle.model, constraint, temperature=opts.temperature)
-    tok = target.tokenizer
-    if opts.drafter == "model":
-        return model_drafter
-    if opts.drafter == "lookup":
-        return LookupDrafter(constraint)
-    if opts.drafter in ("grammar", "hybrid"):
-        grammar = GrammarDrafter(constraint, lambda text: tok(text, add_special_tokens=False)["input_ids"])
-        if opts.drafter == "grammar":
-            return grammar
-        decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
-        lookup = LookupDrafter(constraint, ignore=structural_tokens(vocabulary_of(tok)))
-        parts: list[Any] = [grammar, CopyDrafter(constraint, grammar.tokenize, decode, grammar, source=prompt), lookup]
-        return HybridDrafter(parts + ([model_drafter] if model_drafter is not None else []))
-    return None
-
-
 class TextStream:
     """Text as the decoder accepts it; iterate to get the pieces (a step may add several tokens).
 
@@ -131,83 +44,64 @@ class TextStream:
     after every valid piece was yielded.
     """
 
-    def __init__(self, pieces: Iterator[str], finish: Callable[[str], Any]) -> None:
-        self._pieces = pieces
+    def __init__(self, decoder: SpeculativeDecoder, handle: ModelHandle, finish: Callable[[str], Any]) -> None:
+        self._decoder = decoder
+        self._handle = handle
         self._finish = finish
         self.text = ""
         self.stats: DecodeStats | None = None
         self.value: Any = None
 
     def __iter__(self) -> Iterator[str]:
-        for piece in self._pieces:
-            self.text += piece
-            yield piece
-        self.value = self._finish(self.text)
-
-
-def _stream(
-    model: Any,
-    constraint_for: Callable[[ModelHandle], Constraint],
-    prompt: str,
-    *,
-    draft: Any,
-    drafter: str,
-    temperature: float,
-    seed: int | None,
-    max_new_tokens: int,
-    k_max: int | None,
-    task: str,
-    profile: str | None,
-    adaptive: bool,
-    on_stats: Callable[[DecodeStats], None],
-) -> Iterator[str]:
-    """Validate everything, compile, then decode, yielding text pieces; raise ``TokenLimitError`` at the end."""
-    opts = SpecOptions.build(drafter, draft, k_max, temperature, seed, max_new_tokens,
-                             task=task, profile=profile, adaptive=adaptive)
-    handle = resolve_model(model)
-    compiled = constraint_for(handle)
-    constraint = compiled.for_request()
-    prompt_ids = encode_prompt(handle, prompt)
-    dec = make_decoder(
-        handle.model,
-        constraint,
-        prompt_ids,
-        drafter=_make_drafter(opts, handle, draft, constraint, prompt),
-        k_policy=opts.k_policy(),
-        temperature=opts.temperature,
-        seed=opts.seed,
-        max_new_tokens=opts.max_new_tokens,
-    )
-    dec.stats.profile = opts.profile
-    dec.stats.k_max = opts.k_max
-    dec.stats.backend = "llguidance" if isinstance(compiled, GuidanceConstraint) else "outlines-core"
-    dec.stats.relaxed = list(getattr(compiled, "warnings", []))
-    return _pieces(handle, dec, opts, on_stats)
-
-
-def _pieces(handle: ModelHandle, dec: Any, opts: SpecOptions, on_stats: Callable[[DecodeStats], None]) -> Iterator[str]:
-    tok = handle.tokenizer
-    shown = ""
-    for _ in dec.run():
+        dec, tok = self._decoder, self._handle.tokenizer
+        for _ in dec.run():
+            text = tok.decode(dec.output, skip_special_tokens=False)
+            if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+                continue
+            if len(text) > len(self.text):
+                yield text[len(self.text):]
+                self.text = text
         text = tok.decode(dec.output, skip_special_tokens=False)
-        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-            continue
-        if len(text) > len(shown):
-            yield text[len(shown):]
-            shown = text
-    text = tok.decode(dec.output, skip_special_tokens=False)
-    if len(text) > len(shown):
-        yield text[len(shown):]
-    on_stats(dec.stats)
-    if not dec.finished:
-        raise TokenLimitError(text, opts.max_new_tokens)
+        if len(text) > len(self.text):
+            yield text[len(self.text):]
+            self.text = text
+        self.stats = dec.stats
+        if not dec.finished:
+            raise TokenLimitError(text, dec.max_new_tokens)
+        self.value = self._finish(text)
 
 
-def _run(model: Any, constraint_for: Callable[[ModelHandle], Constraint], prompt: str, **options: Any) -> tuple[str, DecodeStats]:
-    """Decode to the end; the text and the stats, or a clear error."""
-    box: list[DecodeStats] = []
-    text = "".join(_stream(model, constraint_for, prompt, on_stats=box.append, **options))
-    return text, box[0]
+def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], CompiledConstraint], prompt: str,
+           opts: SpecOptions, task: str) -> tuple[ModelHandle, SpeculativeDecoder]:
+    """Resolve the models, compile, encode the prompt and build the decoder: every check before any forward."""
+    handle = resolve_model(model)
+    draft_handle = None
+    if draft is not None and opts.drafter_kind in ("model", "hybrid"):
+        draft_handle = resolve_model(draft, role="draft")
+        check_same_tokenizer(handle, draft_handle)
+    elif opts.drafter_kind == "model":
+        raise InvalidOptionError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='hybrid'.")
+    matcher = compile_for(handle).matcher()
+    prompt_ids = encode_prompt(handle, prompt)
+    drafter = build_drafter(opts.drafter_kind, matcher, handle.tokenizer,
+                            draft_model=draft_handle.model if draft_handle else None,
+                            temperature=opts.temperature, source_text=prompt)
+    profile, k_max = opts.resolve_k_max(task)
+    dec = SpeculativeDecoder(handle.model, matcher, prompt_ids, drafter=drafter, k_policy=opts.k_policy(task),
+                             temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens)
+    dec.stats.profile = profile
+    dec.stats.k_max = k_max
+    return handle, dec
+
+
+def _generate(handle: ModelHandle, dec: SpeculativeDecoder, finish: Callable[[str], Any], *, stream: bool,
+              return_stats: bool) -> Any:
+    text_stream = TextStream(dec, handle, finish)
+    if stream:
+        return text_stream
+    for _ in text_stream:
+        pass
+    return (text_stream.value, text_stream.stats) if return_stats else text_stream.value
 
 
 def generate_json(
@@ -216,45 +110,26 @@ def generate_json(
     prompt: str,
     *,
     draft: Any = None,
-    drafter: DrafterName = "auto",
-    temperature: float = 0.0,
-    seed: int | None = None,
-    max_new_tokens: int = 512,
-    k_max: int | None = None,
-    whitespace: str = DEFAULT_JSON_WHITESPACE,
-    profile: str | None = None,
-    adaptive: bool = True,
-    backend: Backend = "auto",
-    lenient: bool = False,
+    options: SpecOptions | None = None,
     stream: bool = False,
     return_stats: bool = False,
+    **option_values: Any,
 ) -> Any:
     """Generate a JSON value that validates against ``schema``.
 
     Args:
         model: a ``ModelHandle``, a model id or local path, a ``(model, tokenizer)`` pair, or
             None for the embedded SmolLM2-135M-Instruct.
-        schema: a JSON schema (dict, JSON text or file path) or a pydantic model class.
+        schema: a JSON schema (dict, JSON text or file path), a pydantic model class, or a
+            ``JsonSchema`` from ``load_schema``.
         prompt: the user message; it goes through the model's chat template when it has one.
             The schema is not added to it: say in the prompt what to extract.
-        draft: the draft model for ``drafter="model"`` (same forms as ``model``).
-        drafter: "none" (target-only), "model", "lookup" (prompt lookup), "grammar" (text the
-            constraint forces), "hybrid" (forced text, then lookup, then the draft model when
-            given) or "auto" (= hybrid).
-        temperature: 0 for greedy; above 0, exact sampling from the masked target distribution.
-        seed: makes sampling reproducible.
-        max_new_tokens: the generation limit; reaching it first raises ``TokenLimitError``
-            carrying the partial text.
-        k_max: the most tokens verified per step; default from the hardware / task profile.
-        whitespace: the JSON layout: "canonical" (``json.dumps`` style, the default),
-            "flexible", "compact", or a whitespace regex (see ``JSON_LAYOUTS``).
-        profile: hardware profile for K_max ("cpu", "a100-80gb", "h100-80gb", "h100-80gb-x8",
-            "gb200-nvl72"); default ``$CONSTRAINED_SPEC_PROFILE`` or detected from the device.
-        adaptive: choose K each step from online acceptance and cost estimates (else K = k_max).
-        backend: "outlines-core", "llguidance" or "auto" (see ``backends.AUTO_BACKEND``).
-        lenient: llguidance only: relax keywords it cannot enforce instead of refusing them;
-            the relaxed ones are listed in ``stats.relaxed`` and the output is still validated
-            against the full schema (a violation raises ``OutputValidationError``).
+        draft: the draft model for ``drafter="model"`` / ``"hybrid"`` (same forms as ``model``).
+        options: a ``SpecOptions``; keyword arguments override its fields. The options:
+            ``drafter`` ("auto"), ``k_max``, ``adaptive``, ``profile``, ``temperature`` (0:
+            greedy), ``seed``, ``max_new_tokens`` (512), ``backend`` ("auto"), ``lenient``,
+            ``whitespace`` ("canonical"); see ``SpecOptions``. An unknown name raises
+            ``InvalidOptionError``.
         stream: return a ``TextStream`` that yields the text as tokens are accepted; its
             ``value`` and ``stats`` are set once it is exhausted.
         return_stats: also return a ``DecodeStats``.
@@ -262,35 +137,28 @@ def generate_json(
     Returns:
         The parsed value (a pydantic instance when ``schema`` is a pydantic class), or
         ``(value, stats)`` with ``return_stats=True``, or a ``TextStream``.
+
+    Raises:
+        InvalidOptionError, InvalidSchemaError, UnsupportedSchemaFeatureError, InvalidPromptError,
+        TokenizerMismatchError, ModelLoadError before decoding; TokenLimitError (with the partial
+        text) or OutputValidationError after it. Never returns a value that breaks the schema.
     """
-    schema_dict, model_cls = load_schema(schema)
-    if (AUTO_BACKEND if backend == "auto" else backend) == "outlines-core":
-        schema_to_regex(schema_dict, whitespace)  # refuse unsupported keywords before loading a model
-    options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                   k_max=k_max, task="json", profile=profile, adaptive=adaptive)
-    finish = lambda text: validate_json_output(text, schema_dict, model_cls)  # noqa: E731
-    constraint_for = lambda h: compile_constraint(  # noqa: E731
-        schema_dict, h.tokenizer, kind="json", backend=backend, lenient=lenient, whitespace=whitespace)
-    if stream:
-        return _text_stream(model, constraint_for, prompt, finish, options)
-    text, stats = _run(model, constraint_for, prompt, **options)
-    value = finish(text)
-    return (value, stats) if return_stats else value
+    opts = SpecOptions.build(options, **option_values)
+    loaded = load_schema(schema)
+    compile_for = lambda h: compile_constraint(  # noqa: E731
+        loaded, h.tokenizer, kind="json", backend=opts.backend, lenient=opts.lenient, whitespace=opts.whitespace)
+    handle, dec = _start(model, draft, compile_for, prompt, opts, task="json")
+    finish = lambda text: validate_json_output(text, loaded)  # noqa: E731
+    return _generate(handle, dec, finish, stream=stream, return_stats=return_stats)
 
 
-def _text_stream(model: Any, constraint_for: Callable[[ModelHandle], Constraint], prompt: str,
-                 finish: Callable[[str], Any], options: dict[str, Any]) -> TextStream:
-    """A ``TextStream``; input is validated now, before the caller iterates."""
-    holder: list[TextStream] = []
-    pieces = _stream(model, constraint_for, prompt, on_stats=lambda st: setattr(holder[0], "stats", st), **options)
-    holder.append(TextStream(pieces, finish))
-    return holder[0]
-
-
-def validate_json_output(text: str, schema: dict, model_cls: type | None = None) -> Any:
-    """Parse and validate generated JSON against the original schema; never returns an invalid value."""
+def validate_json_output(text: str, schema: dict | JsonSchema, model_cls: type | None = None) -> Any:
+    """Parse and validate generated JSON against the original schema (and the pydantic class);
+    never returns an invalid value: raises ``OutputValidationError`` instead."""
     import jsonschema
 
+    if isinstance(schema, JsonSchema):
+        schema, model_cls = schema.schema, model_cls or schema.model_cls
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -315,40 +183,30 @@ def generate_regex(
     prompt: str,
     *,
     draft: Any = None,
-    drafter: DrafterName = "auto",
-    temperature: float = 0.0,
-    seed: int | None = None,
-    max_new_tokens: int = 512,
-    k_max: int | None = None,
-    profile: str | None = None,
-    adaptive: bool = True,
-    backend: Backend = "auto",
+    options: SpecOptions | None = None,
     stream: bool = False,
     return_stats: bool = False,
+    **option_values: Any,
 ) -> Any:
-    """Generate a string that fully matches ``pattern``; options as in ``generate_json``.
+    """Generate a string that fully matches ``pattern``; arguments as in ``generate_json``
+    (``whitespace`` and ``lenient`` do not apply to a regex).
 
     Returns the string, ``(string, stats)`` with ``return_stats=True``, or a ``TextStream``
     with ``stream=True``.
     """
-    from .errors import InvalidRegexError
-
+    opts = SpecOptions.build(options, **option_values)
     if not isinstance(pattern, str) or not pattern:
         raise InvalidRegexError(f"Invalid regex: expected a non-empty string, got {pattern!r}.")
     try:
-        compiled = re.compile(pattern)
+        checker = re.compile(pattern)
     except re.error as e:
         raise InvalidRegexError(f"Invalid regex {pattern!r}: it does not compile ({e}).") from None
-    options = dict(draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                   k_max=k_max, task="text", profile=profile, adaptive=adaptive)
 
     def finish(text: str) -> str:
-        if not compiled.fullmatch(text):
+        if not checker.fullmatch(text):
             raise OutputValidationError(text, f"does not fully match {pattern!r}")
         return text
 
-    constraint_for = lambda h: compile_constraint(pattern, h.tokenizer, kind="regex", backend=backend)  # noqa: E731
-    if stream:
-        return _text_stream(model, constraint_for, prompt, finish, options)
-    text, stats = _run(model, constraint_for, prompt, **options)
-    return (finish(text), stats) if return_stats else finish(text)
+    compile_for = lambda h: compile_constraint(pattern, h.tokenizer, kind="regex", backend=opts.backend)  # noqa: E731
+    handle, dec = _start(model, draft, compile_for, prompt, opts, task="text")
+    return _generate(handle, dec, finish, stream=stream, return_stats=return_stats)

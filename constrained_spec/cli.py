@@ -1,4 +1,4 @@
-"""The ``constrained-spec`` command line: json, regex and bench.
+"""The ``constrained-spec`` command line: json, regex, demo, extract, coverage and bench.
 
 Exit codes: 0 success; 2 bad usage or bad input (invalid schema, pattern, prompt, option);
 1 generation failure (token limit reached, output failed validation).
@@ -16,7 +16,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import ConstrainedSpecError, ModelLoadError, OutputValidationError, TokenLimitError
+from .errors import (
+    ConstrainedSpecError, InvalidOptionError, InvalidSchemaError, ModelLoadError, OutputValidationError, TokenLimitError,
+)
 
 app = typer.Typer(
     help="Fast, exact structured output: schema- and regex-constrained generation with speculative decoding.",
@@ -33,17 +35,19 @@ EXAMPLE_PROMPT = (
 
 ModelOpt = typer.Option(None, "--model", "-m", help="Model id or local path; default: the embedded SmolLM2-135M-Instruct.")
 DraftOpt = typer.Option(None, "--draft", help="Draft model id or path (same tokenizer as the target).")
-DrafterOpt = typer.Option("auto", "--drafter", help="none | model | lookup | auto (model if --draft, else lookup).")
+DrafterOpt = typer.Option("auto", "--drafter", help="none | model | lookup | grammar | hybrid | auto (= hybrid: forced text, copy from the prompt, lookup, then --draft when given).")
 TempOpt = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples exactly from the masked target.")
 SeedOpt = typer.Option(None, "--seed", help="Seed for sampling.")
 MaxOpt = typer.Option(512, "--max-new-tokens", help="Generation limit.")
-KOpt = typer.Option(None, "--k-max", help="Draft length K (default per drafter).")
+KOpt = typer.Option(None, "--k-max", help="The most tokens verified per step (default: from the hardware / task profile, see --profile).")
 StatsOpt = typer.Option(False, "--stats", help="Print speed figures to stderr.")
 BackendOpt = typer.Option("auto", "--backend", help="Constraint backend: auto (llguidance), llguidance or outlines-core.")
 StreamOpt = typer.Option(False, "--stream", help="Print the text as tokens are accepted.")
 ProfileOpt = typer.Option(None, "--profile", help="Hardware profile for K_max: cpu, a100-80gb, h100-80gb, h100-80gb-x8, gb200-nvl72 (default: $CONSTRAINED_SPEC_PROFILE or detected).")
 AdaptiveOpt = typer.Option(True, "--adaptive/--no-adaptive", help="Choose K per step from measured acceptance and cost (--no-adaptive: K = k-max every step).")
 DtypeOpt = typer.Option(None, "--dtype", help="Model dtype, e.g. float32 or bfloat16 (default: float32 on CPU, bfloat16 on GPU).")
+WhitespaceOpt = typer.Option("canonical", "--whitespace", help="JSON layout: canonical (json.dumps style), flexible, compact, or a whitespace regex.")
+LenientOpt = typer.Option(False, "--lenient", help="llguidance: relax keywords it cannot enforce (listed with --stats); the output is still validated.")
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
 
 
@@ -107,7 +111,8 @@ def json_cmd(
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
     backend: str = BackendOpt,
-    lenient: bool = typer.Option(False, "--lenient", help="llguidance: relax keywords it cannot enforce (listed with --stats); the output is still validated."),
+    lenient: bool = LenientOpt,
+    whitespace: str = WhitespaceOpt,
     stats: bool = StatsOpt,
     stream: bool = StreamOpt,
 ) -> None:
@@ -126,17 +131,25 @@ def json_cmd(
 
     _run_guarded(lambda: _generate_and_print(
         generate_json, _schema_arg(schema), text, render, stream=stream, stats=stats, model=_model_arg(model, dtype),
-        draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, k_max=k_max,
-        profile=profile, adaptive=adaptive, backend=backend, lenient=lenient))
+        draft=draft, options=_options(drafter=drafter, temperature=temperature, seed=seed,
+                                      max_new_tokens=max_new_tokens, k_max=k_max, profile=profile, adaptive=adaptive,
+                                      backend=backend, lenient=lenient, whitespace=whitespace)))
+
+
+def _options(**values: Any) -> Any:
+    """The command's ``SpecOptions``, validated in the one place every caller uses."""
+    from .decoding import SpecOptions
+
+    return SpecOptions.build(**values)
 
 
 def _generate_and_print(generate: Any, target: Any, prompt: str, render: Any, *, stream: bool, stats: bool,
-                        model: Any, **options: Any) -> None:
+                        model: Any, draft: Any, options: Any) -> None:
     """Run ``generate_json`` / ``generate_regex`` for a command: streamed or whole, stats on stderr."""
     if stream:
-        _print_stream(generate(model, target, prompt, stream=True, **options), stats)
+        _print_stream(generate(model, target, prompt, draft=draft, options=options, stream=True), stats)
         return
-    value, st = generate(model, target, prompt, return_stats=True, **options)
+    value, st = generate(model, target, prompt, draft=draft, options=options, return_stats=True)
     print(render(value))
     if stats:
         _print_stats(st)
@@ -169,7 +182,7 @@ def _schema_arg(schema: str) -> Any:
                 mod = importlib.import_module(module)
             return getattr(mod, cls)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"Invalid schema: cannot import {schema!r} ({e}).") from None
+            raise InvalidSchemaError(f"Invalid schema: cannot import {schema!r} ({e}).") from None
     return schema
 
 
@@ -201,8 +214,9 @@ def regex_cmd(
 
     _run_guarded(lambda: _generate_and_print(
         generate_regex, pattern, text, str, stream=stream, stats=stats, model=_model_arg(model, dtype),
-        draft=draft, drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, k_max=k_max,
-        profile=profile, adaptive=adaptive, backend=backend))
+        draft=draft, options=_options(drafter=drafter, temperature=temperature, seed=seed,
+                                      max_new_tokens=max_new_tokens, k_max=k_max, profile=profile, adaptive=adaptive,
+                                      backend=backend)))
 
 
 @app.command("demo")
@@ -251,14 +265,20 @@ def extract_cmd(
     profile: Optional[str] = ProfileOpt,
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
+    backend: str = BackendOpt,
+    lenient: bool = LenientOpt,
+    whitespace: str = WhitespaceOpt,
 ) -> None:
     """Extract one typed record per document, with a progress bar and a summary.
 
     Example: constrained-spec extract --schema examples/people.py:Person --input examples/documents --output people.jsonl
     """
-    from .extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, extract, read_documents
+    from .pipelines.extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, extract, read_documents
 
     def go() -> None:
+        options = _options(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                           k_max=k_max, profile=profile, adaptive=adaptive, backend=backend, lenient=lenient,
+                           whitespace=whitespace)
         spec = _schema_arg(schema)
         template = prompt_template.read_text() if prompt_template else DEFAULT_PROMPT_TEMPLATE
         if not input.exists():
@@ -269,9 +289,7 @@ def extract_cmd(
         if len(todo) < len(docs):
             err.print(f"[dim]resume: {len(docs) - len(todo)} of {len(docs)} documents already in {output}[/]")
         results = extract(spec, todo, model=_model_arg(model, dtype), draft=draft, prompt_template=template,
-                          batch_size=batch_size,
-                          drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                          k_max=k_max, profile=profile, adaptive=adaptive)
+                          batch_size=batch_size, options=options)
         summary = _run_with_progress(results, len(todo), writer)
         Console(stderr=True).print(_summary_table(summary, output))
         if summary["failed"]:
@@ -293,7 +311,7 @@ def _run_with_progress(results: Any, total: int, writer: Any) -> dict[str, Any]:
     """Write each result as it comes, with a progress bar showing tokens/s and acceptance."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .extract import Summary
+    from .pipelines.extract import Summary
 
     summary = Summary()
     with Progress(TextColumn("[bold]extract"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -322,7 +340,7 @@ def coverage_cmd(
 
     Example: constrained-spec coverage ../shared/data/jsonschemabench --sample 50 --timeout 10
     """
-    from .coverage import run_coverage
+    from .pipelines.coverage import run_coverage
     from .models import resolve_model
 
     def go() -> None:
@@ -363,7 +381,8 @@ def coverage_cmd(
 
 @app.command("bench")
 def bench_cmd(
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {id, schema, prompt}; default: benchmarks/extraction.jsonl."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {id, schema, prompt}; default: the extraction prompts shipped in the package."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N prompts."),
     model: Optional[str] = ModelOpt,
     fixed_k: str = typer.Option("4,8,12,16,20", "--fixed-k", help="Comma-separated fixed K values to compare with adaptive K."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
@@ -377,15 +396,16 @@ def bench_cmd(
 
     Example: constrained-spec bench --json bench-results.json --plot bench.png
     """
-    from .bench import DEFAULT_PROMPTS, default_configs, plot_trace, run_bench
+    from .pipelines.bench import DEFAULT_PROMPTS, default_configs, plot_trace, run_bench
 
     def go() -> None:
         try:
             ks = tuple(int(k) for k in fixed_k.split(",") if k.strip())
         except ValueError:
-            raise ValueError(f"Invalid --fixed-k: expected comma-separated integers, got {fixed_k!r}.") from None
+            raise InvalidOptionError(f"Invalid --fixed-k: expected comma-separated integers, got {fixed_k!r}.") from None
         report = run_bench(prompts or DEFAULT_PROMPTS, model=_model_arg(model, dtype), configs=default_configs(ks),
                            max_new_tokens=max_new_tokens, profile=profile, outlines_reference=outlines_reference,
+                           limit=limit,
                            progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))
         table = Table(title=f"{report['model']} ({report['dtype']}): {report['prompts']} extraction prompts, greedy, "
                             f"profile {report['profile']}")

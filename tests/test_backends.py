@@ -1,4 +1,5 @@
-"""The constraint interface, run against both backends (outlines-core and llguidance)."""
+"""Both backends on the real tokenizer: the same masks, forced text, refusals and greedy identity.
+(The brute-force contract on small languages is in test_constraint_contract.py.)"""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from constrained_spec import ModelHandle, UnsupportedSchemaFeatureError, generate_json
-from constrained_spec.backends import GuidanceConstraint, compile_constraint
-from constrained_spec.decoder import decode
+from constrained_spec import ModelHandle, UnsupportedSchemaFeatureError, compile_constraint, generate_json
+from constrained_spec.constraint import GuidanceMatcher
+from constrained_spec.decoding import FixedK, decode
 from constrained_spec.drafters import CopyDrafter, GrammarDrafter, HybridDrafter, LookupDrafter
 from tests.conftest import tiny_llama
 
@@ -29,9 +30,9 @@ def test_same_masks_for_the_same_regex(smol_tokenizer, pattern):
     not allow that group's lone first-character token, e.g. " " after "yes" in
     ``(yes|no)( really)?`` or "-" after "abcd" in ``[0-9a-f]{4,8}(-[0-9]+)?``, which llguidance
     allows; multi-character tokens (" re", "-1") are allowed by both.)"""
-    o = compile_constraint(pattern, smol_tokenizer, kind="regex", backend="outlines-core").for_request()
-    g = compile_constraint(pattern, smol_tokenizer, kind="regex", backend="llguidance").for_request()
-    assert isinstance(g, GuidanceConstraint)
+    o = compile_constraint(pattern, smol_tokenizer, kind="regex", backend="outlines-core").matcher()
+    g = compile_constraint(pattern, smol_tokenizer, kind="regex", backend="llguidance").matcher()
+    assert isinstance(g, GuidanceMatcher)
     rng = random.Random(0)
     for _ in range(6):
         so, sg = o.initial_state, g.initial_state
@@ -55,12 +56,12 @@ def test_llguidance_rollback_leaves_identical_masks(smol_tokenizer):
     compiled = compile_constraint(PERSON, smol_tokenizer, backend="llguidance")
     tok = lambda s: smol_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     a, b = tok('{"name": "Maria'), tok('{"name": "Tom Okafor", "age": 5')
-    first = compiled.for_request()
+    first = compiled.matcher()
     sa = first.walk(first.initial_state, a)[-1]
     mask_a = first.allowed_mask(sa).clone()
     sb = first.walk(first.initial_state, b)[-1]  # moves the matcher away (rollback + consume)
     first.allowed_mask(sb)
-    fresh = compiled.for_request()  # no caches: the mask comes from the matcher again
+    fresh = compiled.matcher()  # no caches: the mask comes from the matcher again
     fresh.walk(fresh.initial_state, b)
     sa2 = fresh.walk(fresh.initial_state, a)[-1]
     assert len(fresh.walk(fresh.initial_state, a)) == len(a) + 1
@@ -70,7 +71,7 @@ def test_llguidance_rollback_leaves_identical_masks(smol_tokenizer):
 
 def test_json_forced_text_agrees(smol_tokenizer):
     for backend in ("outlines-core", "llguidance"):
-        c = compile_constraint(PERSON, smol_tokenizer, backend=backend).for_request()
+        c = compile_constraint(PERSON, smol_tokenizer, backend=backend).matcher()
         assert c.forced_bytes(c.initial_state) == b'{"name": "'
 
 
@@ -78,13 +79,13 @@ def test_llguidance_greedy_identity_with_drafters(smol):
     compiled = compile_constraint(PERSON, smol.tokenizer, backend="llguidance")
     target = tiny_llama(49152 + 64, seed=51, init=0.3)
     prompt = smol.tokenizer('Record: name "Maria Gonzalez", age 34, city "Barcelona", occupation "architect".')["input_ids"]
-    base = decode(target, compiled.for_request(), prompt, max_new_tokens=40)
+    base = decode(target, compiled.matcher(), prompt, max_new_tokens=40)
     tokenize = lambda s: smol.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for k in (1, 4, 12):
-        c = compiled.for_request()
-        grammar = GrammarDrafter(c, tokenize)
-        hybrid = HybridDrafter([grammar, CopyDrafter(c, tokenize, smol.tokenizer.decode, grammar), LookupDrafter(c)])
-        assert decode(target, c, prompt, drafter=hybrid, k=k, max_new_tokens=40).tokens == base.tokens
+        c = compiled.matcher()
+        hybrid = HybridDrafter([GrammarDrafter(c, tokenize), CopyDrafter(c, tokenize, smol.tokenizer.decode),
+                                LookupDrafter(c)])
+        assert decode(target, c, prompt, drafter=hybrid, k_policy=FixedK(k), max_new_tokens=40).tokens == base.tokens
 
 
 def test_strict_refuses_and_lenient_names_what_it_relaxed(smol_tokenizer):
@@ -120,5 +121,6 @@ def test_compile_timeout_leaves_nothing_running(smol_tokenizer):
         compile_constraint({**big, "title": "timeout-probe"}, smol_tokenizer, backend="outlines-core", timeout_s=0.001)
     assert not mp.active_children()
     c = compile_constraint(PERSON, smol_tokenizer, backend="llguidance", timeout_s=30)
-    assert c.forced_bytes(c.for_request().initial_state)
+    m = c.matcher()
+    assert m.forced_bytes(m.initial_state)
     assert not mp.active_children()

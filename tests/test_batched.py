@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 from constrained_spec import ModelHandle
-from constrained_spec.batched import decode_batch
-from constrained_spec.constraint import compile_regex, load_schema, schema_to_regex
-from constrained_spec.decoder import decode
-from constrained_spec.extract import extract
+from constrained_spec.constraint import compile_constraint, load_schema
+from constrained_spec.decoding import decode
+from constrained_spec.decoding.batched import decode_batch
+from constrained_spec.pipelines.extract import extract
 from tests.conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,13 +19,13 @@ TEXTS = ["Maria Gonzalez, 34, architect in Barcelona.", "Tom Okafor (52) is a ha
 
 def test_batch_equals_per_document(smol):
     schema, _ = load_schema(ROOT / "schemas" / "person.json")
-    constraint = compile_regex(schema_to_regex(schema), smol.vocabulary)
+    constraint = compile_constraint(schema, smol.vocabulary, backend="outlines-core")
     target = tiny_llama(49152 + 64, seed=41, init=0.3)
     prompts = [smol.tokenizer(t)["input_ids"] for t in TEXTS]
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
-    batch = decode_batch(target, constraint, prompts, max_new_tokens=40)
+    batch = decode_batch(target, [constraint.matcher() for _ in prompts], prompts, max_new_tokens=40)
     for p, res in zip(prompts, batch):
-        alone = decode(target, constraint, p, max_new_tokens=40)
+        alone = decode(target, constraint.matcher(), p, max_new_tokens=40)
         assert res.tokens == alone.tokens
         assert res.finished == alone.finished
 

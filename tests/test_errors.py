@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from constrained_spec import (
-    InvalidPromptError, InvalidRegexError, InvalidSchemaError, ModelHandle, TokenizerMismatchError,
+    InvalidOptionError, InvalidPromptError, InvalidRegexError, InvalidSchemaError, ModelHandle, TokenizerMismatchError,
     TokenLimitError, UnsupportedSchemaFeatureError, generate_json, generate_regex,
 )
 from tests.conftest import tiny_llama
@@ -102,7 +102,8 @@ def test_mismatched_draft_tokenizer(tiny):
     ({"temperature": -0.5}, "Invalid temperature"),
 ])
 def test_bad_options(tiny, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    assert issubclass(InvalidOptionError, ValueError)  # callers catching ValueError still catch it
+    with pytest.raises(InvalidOptionError, match=match):
         generate_json(tiny.handle, SCHEMA, "hello", **kwargs)
     assert tiny.calls == 0
 

@@ -19,12 +19,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import constrained_spec.decoder as decoder_mod
-from constrained_spec.constraint import TokenVocabulary, apply_mask, compile_regex
-from constrained_spec.decoder import decode
+import constrained_spec.decoding.decoder as decoder_mod
+from constrained_spec.constraint import TokenVocabulary, apply_mask, compile_constraint
+from constrained_spec.decoding import FixedK, decode
+from constrained_spec.decoding.verifier import Verdict, masked_probs
 from constrained_spec.drafters import LookupDrafter, ModelDrafter
-from constrained_spec.verifier import Verdict, masked_probs
 from tests.conftest import tiny_llama
+
+BACKENDS = ["outlines-core", "llguidance"]
 
 EOS = 0
 TOKENS = {1: b"a", 2: b"b", 3: b"ab", 4: b"c", 5: b"ba", 6: b"x"}
@@ -34,19 +36,21 @@ PROMPT = [6, 1, 2, 6, 3, 4, 5, 1]
 N = 3000
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture(scope="module", params=BACKENDS)
+def setup(request):
+    """The compiled constraint (each run takes a fresh matcher of it), target and draft, per backend."""
     vocab = TokenVocabulary.build(TOKENS, EOS, size=7)
-    constraint = compile_regex(PATTERN, vocab, use_disk_cache=False)
+    compiled = compile_constraint(PATTERN, vocab, kind="regex", backend=request.param)
     target = tiny_llama(MODEL_VOCAB, seed=1)
     draft = tiny_llama(MODEL_VOCAB, seed=2)
-    return constraint, target, draft
+    return compiled, target, draft
 
 
 @torch.no_grad()
-def exact_law(constraint, target, prompt) -> dict[tuple[int, ...], float]:
+def exact_law(compiled, target, prompt) -> dict[tuple[int, ...], float]:
     """P(sequence) under target-only masked sampling at T = 1, by enumeration."""
     law: dict[tuple[int, ...], float] = {}
+    constraint = compiled.matcher()
 
     def visit(prefix: list[int], state: int, prob: float) -> None:
         if constraint.is_done(state):
@@ -83,28 +87,40 @@ def sample_pvalue(law, draw) -> float:
     return float(chisquare(np.array(obs), np.array(exp) * (sum(obs) / sum(exp))).pvalue)
 
 
+def run(compiled, target, make_drafter, seed, k=3):
+    """One sampled request: a fresh matcher, the drafter built on it, K fixed."""
+    matcher = compiled.matcher()
+    return decode(target, matcher, PROMPT, drafter=make_drafter(matcher), k_policy=FixedK(k), temperature=1.0,
+                  seed=seed, max_new_tokens=16).tokens
+
+
 def test_language_is_nontrivial(setup):
-    constraint, target, _ = setup
-    law = exact_law(constraint, target, PROMPT)
+    compiled, target, _ = setup
+    law = exact_law(compiled, target, PROMPT)
     assert abs(sum(law.values()) - 1.0) < 1e-9
     assert len(law) >= 12 and max(law.values()) < 0.5
 
 
+def test_backends_agree_on_the_law():
+    """Both backends define the same language here, so the same enumerated law."""
+    vocab = TokenVocabulary.build(TOKENS, EOS, size=7)
+    target = tiny_llama(MODEL_VOCAB, seed=1)
+    laws = [exact_law(compile_constraint(PATTERN, vocab, kind="regex", backend=b), target, PROMPT) for b in BACKENDS]
+    assert laws[0].keys() == laws[1].keys()
+    assert all(abs(laws[0][k] - laws[1][k]) < 1e-12 for k in laws[0])
+
+
 def test_model_drafter_sampling_is_exact(setup):
-    constraint, target, draft = setup
-    law = exact_law(constraint, target, PROMPT)
-    drafter = ModelDrafter(draft, constraint, temperature=1.0)
-    pv = sample_pvalue(law, lambda s: decode(target, constraint, PROMPT, drafter=drafter, k=3, temperature=1.0,
-                                            seed=s, max_new_tokens=16).tokens)
+    compiled, target, draft = setup
+    law = exact_law(compiled, target, PROMPT)
+    pv = sample_pvalue(law, lambda s: run(compiled, target, lambda m: ModelDrafter(draft, m, temperature=1.0), s))
     assert pv > 1e-3
 
 
 def test_lookup_drafter_sampling_is_exact(setup):
-    constraint, target, _ = setup
-    law = exact_law(constraint, target, PROMPT)
-    drafter = LookupDrafter(constraint)
-    pv = sample_pvalue(law, lambda s: decode(target, constraint, PROMPT, drafter=drafter, k=3, temperature=1.0,
-                                            seed=s, max_new_tokens=16).tokens)
+    compiled, target, _ = setup
+    law = exact_law(compiled, target, PROMPT)
+    pv = sample_pvalue(law, lambda s: run(compiled, target, LookupDrafter, s))
     assert pv > 1e-3
 
 
@@ -134,21 +150,17 @@ class UnmaskedQDrafter(ModelDrafter):
 
 
 def test_negative_control_correction_from_p_is_caught(setup, monkeypatch):
-    constraint, target, draft = setup
-    law = exact_law(constraint, target, PROMPT)
+    compiled, target, draft = setup
+    law = exact_law(compiled, target, PROMPT)
     monkeypatch.setattr(decoder_mod, "verify_sampled", _correction_from_p)
-    drafter = ModelDrafter(draft, constraint, temperature=1.0)
-    pv = sample_pvalue(law, lambda s: decode(target, constraint, PROMPT, drafter=drafter, k=3, temperature=1.0,
-                                            seed=s, max_new_tokens=16).tokens)
+    pv = sample_pvalue(law, lambda s: run(compiled, target, lambda m: ModelDrafter(draft, m, temperature=1.0), s))
     assert pv < 1e-4
 
 
 def test_negative_control_unmasked_q_is_caught(setup):
-    constraint, target, draft = setup
-    law = exact_law(constraint, target, PROMPT)
-    drafter = UnmaskedQDrafter(draft, constraint, temperature=1.0)
-    pv = sample_pvalue(law, lambda s: decode(target, constraint, PROMPT, drafter=drafter, k=3, temperature=1.0,
-                                            seed=s, max_new_tokens=16).tokens)
+    compiled, target, draft = setup
+    law = exact_law(compiled, target, PROMPT)
+    pv = sample_pvalue(law, lambda s: run(compiled, target, lambda m: UnmaskedQDrafter(draft, m, temperature=1.0), s))
     assert pv < 1e-4
 
 
@@ -167,20 +179,21 @@ def _greedy_tokenize(text: str) -> list[int]:
 def test_hybrid_drafter_with_mixed_q_is_exact(setup, adaptive):
     """Forced, copied (one-hot q) and model (sampled q) tokens in one draft; with the adaptive
     policy the verified length also varies with the kinds drafted, which must not bias it."""
+    from constrained_spec.decoding.kpolicy import AdaptiveK
     from constrained_spec.drafters import GrammarDrafter, HybridDrafter
-    from constrained_spec.kpolicy import AdaptiveK, FixedK
 
-    _, target, draft = setup
+    compiled0, target, draft = setup
     vocab = TokenVocabulary.build(TOKENS, EOS, size=7)
-    constraint = compile_regex(r"xx[ab]{1,2}c?", vocab, use_disk_cache=False)
-    law = exact_law(constraint, target, PROMPT)
-    hybrid = HybridDrafter([GrammarDrafter(constraint, _greedy_tokenize), LookupDrafter(constraint),
-                            ModelDrafter(draft, constraint, temperature=1.0)])
+    compiled = compile_constraint(r"xx[ab]{1,2}c?", vocab, kind="regex", backend=compiled0.backend)
+    law = exact_law(compiled, target, PROMPT)
     kinds: set[str] = set()
 
     def draw(seed):
+        m = compiled.matcher()
+        hybrid = HybridDrafter([GrammarDrafter(m, _greedy_tokenize), LookupDrafter(m),
+                                ModelDrafter(draft, m, temperature=1.0)])
         policy = AdaptiveK(4) if adaptive else FixedK(4)
-        res = decode(target, constraint, PROMPT, drafter=hybrid, k_policy=policy, temperature=1.0, seed=seed,
+        res = decode(target, m, PROMPT, drafter=hybrid, k_policy=policy, temperature=1.0, seed=seed,
                      max_new_tokens=16)
         kinds.update(k for k, row in res.stats.per_kind.items() if row["drafted"])
         return res.tokens

@@ -1,4 +1,5 @@
-"""The grammar-forced and hybrid drafters: only tokens the FSM allows, and honest accounting."""
+"""The grammar-forced, copy and hybrid drafters: only tokens the matcher allows, and honest
+accounting, on both constraint backends."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from constrained_spec.constraint import compile_regex, load_schema, schema_to_regex
-from constrained_spec.decoder import decode
-from constrained_spec.drafters import GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
+from constrained_spec.constraint import compile_constraint
+from constrained_spec.decoding import FixedK, decode
+from constrained_spec.drafters import CopyDrafter, GrammarDrafter, HybridDrafter, LookupDrafter, ModelDrafter
 from tests.conftest import tiny_llama
 
 SCHEMAS = sorted(str(p) for p in (Path(__file__).resolve().parent.parent / "schemas").glob("*.json"))
@@ -19,18 +20,23 @@ def tokenize_with(tokenizer):
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-@pytest.fixture(scope="module")
-def compiled(smol):
-    out = {}
-    for path in SCHEMAS:
-        schema, _ = load_schema(path)
-        out[path] = compile_regex(schema_to_regex(schema), smol.vocabulary)
-    return out
+@pytest.fixture(scope="module", params=["outlines-core", "llguidance"])
+def compiled(smol, request):
+    """Schema file -> compiled constraint, per backend; each test takes fresh matchers."""
+    return {path: compile_constraint(path, smol.tokenizer, backend=request.param) for path in SCHEMAS}
+
+
+def allowed_tokens(matcher, state):
+    return [t for t in matcher.allowed_mask(state).nonzero().flatten().tolist() if t != matcher.eos_token_id]
+
+
+def person(compiled):
+    return compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]].matcher()
 
 
 @pytest.mark.parametrize("path", SCHEMAS, ids=[Path(p).stem for p in SCHEMAS])
-def test_forced_drafts_follow_the_fsm_on_random_walks(smol, compiled, path):
-    constraint = compiled[path]
+def test_forced_drafts_follow_the_matcher_on_random_walks(smol, compiled, path):
+    constraint = compiled[path].matcher()
     drafter = GrammarDrafter(constraint, tokenize_with(smol.tokenizer))
     rng = random.Random(0)
     proposals = 0
@@ -44,7 +50,7 @@ def test_forced_drafts_follow_the_fsm_on_random_walks(smol, compiled, path):
             proposals += bool(d.tokens)
             if constraint.is_done(state):
                 break
-            allowed = [t for t in constraint.index.get_allowed_tokens(state) if t != constraint.eos_token_id]
+            allowed = allowed_tokens(constraint, state)
             if not allowed:
                 break
             state = constraint.next_state(state, rng.choice(allowed))
@@ -52,22 +58,23 @@ def test_forced_drafts_follow_the_fsm_on_random_walks(smol, compiled, path):
 
 
 def test_forced_text_of_the_start_state(smol, compiled):
-    constraint = compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]]
+    constraint = person(compiled)
     drafter = GrammarDrafter(constraint, tokenize_with(smol.tokenizer))
-    assert drafter.forced_bytes(constraint.initial_state) == b'{"name": "'
+    assert constraint.forced_bytes(constraint.initial_state) == b'{"name": "'
     tokens, _ = drafter.forced(constraint.initial_state)
     assert smol.tokenizer.decode(tokens) == '{"name": "'
 
 
 def test_hybrid_accounting_adds_up(smol, compiled):
-    constraint = compiled[[p for p in SCHEMAS if p.endswith("invoice.json")][0]]
+    invoice = compiled[[p for p in SCHEMAS if p.endswith("invoice.json")][0]]
+    constraint = invoice.matcher()
     target, draft = tiny_llama(49152, seed=21, init=0.3), tiny_llama(49152, seed=22, init=0.3)
     prompt = smol.tokenizer('Invoice INV-2291 from Acme GmbH, 2024-03-05, 1249.50 EUR, paid.')["input_ids"]
     hybrid = HybridDrafter([GrammarDrafter(constraint, tokenize_with(smol.tokenizer)), LookupDrafter(constraint),
                             ModelDrafter(draft, constraint)])
-    res = decode(target, constraint, prompt, drafter=hybrid, k=8, max_new_tokens=60)
+    res = decode(target, constraint, prompt, drafter=hybrid, k_policy=FixedK(8), max_new_tokens=60)
     st = res.stats
-    assert res.tokens == decode(target, constraint, prompt, max_new_tokens=60).tokens
+    assert res.tokens == decode(target, invoice.matcher(), prompt, max_new_tokens=60).tokens
     kinds = st.per_kind
     assert {"grammar", "target"} <= set(kinds)
     assert sum(r["drafted"] for r in kinds.values()) == st.drafted
@@ -78,23 +85,28 @@ def test_hybrid_accounting_adds_up(smol, compiled):
 
 @pytest.mark.parametrize("k", [1, 4, 12])
 def test_grammar_and_hybrid_greedy_identity(smol, compiled, k):
-    constraint = compiled[[p for p in SCHEMAS if p.endswith("event.json")][0]]
+    event = compiled[[p for p in SCHEMAS if p.endswith("event.json")][0]]
     target = tiny_llama(49152 + 64, seed=31, init=0.3)
-    prompt = smol.tokenizer("Spring Robotics Meetup, Oslo Science Park, 2025-04-17: Ingrid, Lars.")["input_ids"]
-    base = decode(target, constraint, prompt, max_new_tokens=50)
+    text = "Spring Robotics Meetup, Oslo Science Park, 2025-04-17: Ingrid, Lars."
+    prompt = smol.tokenizer(text)["input_ids"]
+    base = decode(target, event.matcher(), prompt, max_new_tokens=50)
     tok = tokenize_with(smol.tokenizer)
-    for drafter in (GrammarDrafter(constraint, tok), HybridDrafter([GrammarDrafter(constraint, tok), LookupDrafter(constraint)])):
-        res = decode(target, constraint, prompt, drafter=drafter, k=k, max_new_tokens=50)
+    makers = [
+        lambda m: GrammarDrafter(m, tok),
+        lambda m: HybridDrafter([GrammarDrafter(m, tok), LookupDrafter(m)]),
+        lambda m: HybridDrafter([GrammarDrafter(m, tok), CopyDrafter(m, tok, smol.tokenizer.decode, source=text),
+                                 LookupDrafter(m)]),
+    ]
+    for make in makers:
+        m = event.matcher()
+        res = decode(target, m, prompt, drafter=make(m), k_policy=FixedK(k), max_new_tokens=50)
         assert res.tokens == base.tokens
 
 
 def test_copy_drafter_copies_values_and_closes_them(smol, compiled):
-    from constrained_spec.drafters import CopyDrafter
-
-    constraint = compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]]
+    constraint = person(compiled)
     tok = smol.tokenizer
-    grammar = GrammarDrafter(constraint, tokenize_with(tok))
-    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids), grammar)
+    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids))
     prompt = tok("Text: Maria Gonzalez is a 34-year-old architect who lives in Barcelona. Bye")["input_ids"]
     copy.reset(prompt)
     for written, expected in [('{"name": "Maria', ' Gonzalez'), ('{"name": "Maria Gonzalez", "age": 3', '4, "city": "'),
@@ -111,13 +123,10 @@ def test_copy_drafter_copies_values_and_closes_them(smol, compiled):
 
 
 @pytest.mark.parametrize("path", SCHEMAS, ids=[Path(p).stem for p in SCHEMAS])
-def test_copy_drafts_follow_the_fsm_on_random_walks(smol, compiled, path):
-    from constrained_spec.drafters import CopyDrafter
-
-    constraint = compiled[path]
+def test_copy_drafts_follow_the_matcher_on_random_walks(smol, compiled, path):
+    constraint = compiled[path].matcher()
     tok = smol.tokenizer
-    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids),
-                       GrammarDrafter(constraint, tokenize_with(tok)))
+    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids))
     prompt = tok('Maria Gonzalez, 34, Barcelona. INV-2291 Acme Tools GmbH 2024-03-05 1249.50 EUR paid "x" {y}')["input_ids"]
     copy.reset(prompt)
     rng = random.Random(1)
@@ -129,7 +138,7 @@ def test_copy_drafts_follow_the_fsm_on_random_walks(smol, compiled, path):
             assert constraint.walk(state, d.tokens) == d.states
             if constraint.is_done(state):
                 break
-            allowed = [t for t in constraint.index.get_allowed_tokens(state) if t != constraint.eos_token_id]
+            allowed = allowed_tokens(constraint, state)
             t = rng.choice(d.tokens[:1] + allowed[:50]) if allowed else None
             if t is None:
                 break
@@ -137,20 +146,27 @@ def test_copy_drafts_follow_the_fsm_on_random_walks(smol, compiled, path):
             state = constraint.next_state(state, t)
 
 
-def test_grammar_learns_the_targets_tokenization(smol):
-    schema, _ = load_schema({"type": "object", "properties": {"zzq": {"type": "boolean"}}, "required": ["zzq"]})
-    constraint = compile_regex(schema_to_regex(schema), smol.vocabulary)
+@pytest.mark.parametrize("backend", ["outlines-core", "llguidance"])
+def test_grammar_learns_the_targets_tokenization(smol, backend):
+    schema = {"type": "object", "properties": {"zzq": {"type": "boolean"}}, "required": ["zzq"]}
+    compiled = compile_constraint(schema, smol.tokenizer, backend=backend)
+    constraint = compiled.matcher()
     tok = smol.tokenizer
     grammar = GrammarDrafter(constraint, tokenize_with(tok))
     s0 = constraint.initial_state
     first = grammar.propose([], s0, 12)
     alt = tok.convert_tokens_to_ids("{")
     assert first.tokens[0] != alt  # the tokenizer writes '{"' as one token
+    if not constraint.allows(s0, alt):
+        pytest.skip(f"{backend} allows only the canonical tokenization of forced text")
     grammar.update(first, 0, alt)  # the target rejected it and wrote '{' instead
-    again = GrammarDrafter(constraint, tokenize_with(tok)).propose([], s0, 12)  # a later request
+    again = GrammarDrafter(constraint, tokenize_with(tok)).propose([], s0, 12)  # later in the request
     assert again.tokens[0] == alt
     assert tok.decode(again.tokens) == tok.decode(first.tokens)
     assert constraint.walk(s0, again.tokens) == again.states
+    # learning is per request: a seeded request never depends on what an earlier one learned
+    fresh = compiled.matcher()
+    assert GrammarDrafter(fresh, tokenize_with(tok)).propose([], fresh.initial_state, 12).tokens == first.tokens
 
 
 @pytest.mark.parametrize("value, rest, expected", [
@@ -165,19 +181,16 @@ def test_grammar_learns_the_targets_tokenization(smol):
     ("Acme", " Tools GmbH Berlin", None),  # nothing ends it: copy on
 ])
 def test_copy_guesses_where_a_value_ends(value, rest, expected):
-    from constrained_spec.drafters import _value_end
+    from constrained_spec.drafters.copy import _value_end
 
     end = _value_end(rest, value)
     assert (rest[:end] if end is not None else None) == expected
 
 
 def test_copy_closes_a_name_and_prefers_the_document_over_earlier_text(smol, compiled):
-    from constrained_spec.drafters import CopyDrafter
-
-    constraint = compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]]
+    constraint = person(compiled)
     tok = smol.tokenizer
-    grammar = GrammarDrafter(constraint, tokenize_with(tok))
-    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids), grammar)
+    copy = CopyDrafter(constraint, tokenize_with(tok), lambda ids: tok.decode(ids))
     # "Maria" occurs twice: in the instructions (followed by "Callas") and in the document
     prompt = tok("Like Maria Callas, write JSON.\nText: Maria Gonzalez is a 34-year-old architect.")["input_ids"]
     copy.reset(prompt)
@@ -191,7 +204,7 @@ def test_lookup_ignores_matches_made_of_punctuation(smol, compiled):
     from constrained_spec.constraint import vocabulary_of
     from constrained_spec.drafters import structural_tokens
 
-    constraint = compiled[[p for p in SCHEMAS if p.endswith("person.json")][0]]
+    constraint = person(compiled)
     tok = smol.tokenizer
     ignore = structural_tokens(vocabulary_of(tok))
     assert all(tok.decode([t]).strip(' \t\n\r"{}[],:') == "" for t in ignore)
@@ -206,9 +219,7 @@ def test_lookup_ignores_matches_made_of_punctuation(smol, compiled):
 def test_copy_matches_a_recased_value_and_a_changed_start(smol):
     """A model that writes "Arch" for the prompt's "architect", or "john.kim@..." for
     "daniel.kim@...", still gets the rest of the value and its end proposed."""
-    from constrained_spec.drafters import CopyDrafter
-
-    copy = CopyDrafter(None, None, None, None,  # type: ignore[arg-type]
+    copy = CopyDrafter(None, None, None,  # type: ignore[arg-type]
                        source="Maria is an architect who lives in Oslo. Mail daniel.kim@northwind.io or call.")
     copy.reset([])
     assert copy._continuation('{"occupation": "Arch') == ("itect", True)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from constrained_spec import ModelHandle, generate_json
-from constrained_spec.kpolicy import AdaptiveK, FixedK, _RECENT_ALPHA, optimal_k
-from constrained_spec.profiles import K_MAX_PROFILES, PROFILE_ENV, detect_profile, k_max_for, profile_for_device
+from constrained_spec.decoding.kpolicy import AdaptiveK, FixedK, _RECENT_ALPHA, optimal_k
+from constrained_spec.decoding.profiles import K_MAX_PROFILES, PROFILE_ENV, detect_profile, k_max_for, profile_for_device
 from tests.conftest import tiny_llama
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from constrained_spec.constraint import TokenVocabulary, compile_regex
-from constrained_spec.decoder import FixedK, SpeculativeDecoder
+from constrained_spec.constraint import TokenVocabulary, compile_constraint
+from constrained_spec.decoding import FixedK, SpeculativeDecoder
 from constrained_spec.drafters import ModelDrafter
 from tests.conftest import tiny_llama
 
@@ -29,14 +29,16 @@ def assert_same_cache(a, b):
 
 def test_caches_after_rollback_equal_fresh_forward():
     vocab = TokenVocabulary.build(TOKENS, 0, size=7)
-    constraint = compile_regex(r"[abx]{20,30}c", vocab, use_disk_cache=False)
+    constraint = compile_constraint(r"[abx]{20,30}c", vocab, kind="regex", backend="outlines-core")
     target, draft = tiny_llama(10, seed=3), tiny_llama(10, seed=4)
     for temperature, seed in [(0.0, None), (1.0, 5)]:
-        g = torch.Generator().manual_seed(seed) if seed is not None else None
-        drafter = ModelDrafter(draft, constraint, temperature=temperature, generator=g)
-        dec = SpeculativeDecoder(target, constraint, [6, 1, 2, 3], drafter=drafter, k_policy=FixedK(4),
-                                 temperature=temperature, generator=g, max_new_tokens=40)
-        dec.prefill()
+        matcher = constraint.matcher()
+        # the decoder seeds one generator and hands it to the drafter (shared, as before)
+        drafter = ModelDrafter(draft, matcher, temperature=temperature)
+        dec = SpeculativeDecoder(target, matcher, [6, 1, 2, 3], drafter=drafter, k_policy=FixedK(4),
+                                 temperature=temperature, seed=seed, max_new_tokens=40)
+        assert drafter.generator is dec.generator
+        dec.start()
         rejected_steps = 0
         while not dec.finished and len(dec.output) < 30:
             before = dec.prompt_ids + dec.output
@@ -46,7 +48,7 @@ def test_caches_after_rollback_equal_fresh_forward():
             if not dec.finished:  # once finished (EOS or a done state) nothing is pending
                 assert_same_cache(dec.cache, fresh_cache(target, seq[:-1]))
                 assert dec.last == seq[-1]
-            assert dec.state == constraint.walk(constraint.initial_state, dec.output)[-1]
+            assert dec.state == matcher.walk(matcher.initial_state, dec.output)[-1]
             # the drafter crops lazily, at its next proposal: its cache holds the context it was
             # given plus the drafted tokens, and exactly matches the ids it records
             assert drafter.cached_ids[: len(before)] == before
@@ -58,10 +60,10 @@ def test_forced_language_and_one_token_prompt():
     """Every state allows one token: no vocabulary row is computed, yet the output is the forced
     text, the cache matches a fresh forward, and a one-token prompt (nothing to carry) works."""
     vocab = TokenVocabulary.build({1: b"a", 2: b"b", 4: b"c"}, 0, size=7)
-    constraint = compile_regex(r"abcab", vocab, use_disk_cache=False)
+    constraint = compile_constraint(r"abcab", vocab, kind="regex", backend="outlines-core")
     target = tiny_llama(10, seed=8)
     for prompt in ([6], [6, 1, 2]):
-        dec = SpeculativeDecoder(target, constraint, prompt, k_policy=FixedK(0), max_new_tokens=10)
+        dec = SpeculativeDecoder(target, constraint.matcher(), prompt, k_policy=FixedK(0), max_new_tokens=10)
         rows: list[int] = []
         real = dec._forward
         dec._forward = lambda ids, keep, first=0: (rows.append(len(keep)), real(ids, keep, first))[1]

@@ -11,9 +11,11 @@ import pytest
 from pydantic import BaseModel
 
 from constrained_spec import generate_json, generate_regex, load_model
+from constrained_spec.pipelines.bench import DEFAULT_PROMPTS
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = [json.loads(line) for line in (ROOT / "benchmarks" / "extraction.jsonl").read_text().splitlines() if line.strip()]
+# The benchmark prompts ship with the package, each with its schema inline.
+PROMPTS = [json.loads(line) for line in DEFAULT_PROMPTS.read_text().splitlines() if line.strip()]
 
 
 class Person(BaseModel):
@@ -38,7 +40,7 @@ def test_pydantic_instance(smol):
 
 @pytest.mark.parametrize("item", PROMPTS[:4], ids=[p["id"] for p in PROMPTS[:4]])
 def test_greedy_speculative_equals_target_only_and_validates(smol, item):
-    schema = json.loads((ROOT / "schemas" / item["schema"]).read_text())
+    schema = item["schema"]
     base, s0 = generate_json(smol, schema, item["prompt"], drafter="none", return_stats=True)
     assert s0.target_forwards == s0.output_tokens  # target-only: one forward per token
     for drafter in ("lookup", "hybrid"):

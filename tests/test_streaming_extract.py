@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from constrained_spec import TokenLimitError, generate_json, generate_regex
 from constrained_spec.cli import app
-from constrained_spec.extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, describe_fields, extract
+from constrained_spec.pipelines.extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, describe_fields, extract
 from tests.conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from constrained_spec.verifier import verify_greedy, verify_sampled
+from constrained_spec.decoding.verifier import verify_greedy, verify_sampled
 
 NEG = float("-inf")
 

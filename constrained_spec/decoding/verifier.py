@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..constraint.masking import masked_probs
+
+__all__ = ["Verdict", "masked_probs", "verify_greedy", "verify_sampled"]
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -31,14 +35,6 @@ class Verdict:
     accepted: int
     next_token: int
     bonus: bool
-
-
-def masked_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) over the allowed set; masked entries are -inf in ``logits`` and get 0.
-
-    ``logits``: ``[..., V]``, already masked. Computed in float64 so tiny p and q keep their ratio.
-    """
-    return torch.softmax(logits.double() / temperature, dim=-1)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:

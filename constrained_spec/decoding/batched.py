@@ -1,4 +1,4 @@
-"""Target-only masked decoding of many prompts in one batch: one forward per step, one FSM state per row.
+"""Target-only masked decoding of many prompts in one batch: one forward per step, one matcher per row.
 
 Speculation pays when the accelerator has room to verify extra tokens for free; with a full
 batch it has none, so above ``SPECULATION_MAX_BATCH`` documents the extraction pipeline runs this
@@ -13,10 +13,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .constraint import Constraint, apply_mask
-from .decoder import DecodeResult, DecodeStats
-from .errors import InvalidPromptError
-from .verifier import masked_probs
+from ..constraint import Matcher, apply_mask, masked_probs
+from ..errors import InvalidOptionError, InvalidPromptError
+from .stats import DecodeResult, DecodeStats
 
 #: Above this many documents at once, speculation is switched off in favour of batching (the
 #: practice of production engines: the gain of speculation fades as batching fills the device).
@@ -26,14 +25,15 @@ SPECULATION_MAX_BATCH = 8
 @torch.no_grad()
 def decode_batch(
     target: Any,
-    constraint: Constraint,
+    matchers: list[Matcher],
     prompts: list[list[int]],
     *,
     temperature: float = 0.0,
     seed: int | None = None,
     max_new_tokens: int = 512,
 ) -> list[DecodeResult]:
-    """Decode every prompt under ``constraint``, target-only, in one batch.
+    """Decode every prompt under its own matcher (``matchers[i]`` for ``prompts[i]``: a fresh
+    ``compiled.matcher()`` each), target-only, in one batch.
 
     Greedy rows give the same tokens as ``decode`` on each prompt alone (up to float rounding
     of batched kernels; exact in float64). Each row's stats carry its 1/b share of the batch's
@@ -41,20 +41,22 @@ def decode_batch(
     """
     if not prompts or any(not p for p in prompts):
         raise InvalidPromptError("Invalid prompt: expected non-empty prompts for the batch.")
+    if len(matchers) != len(prompts) or len({id(m) for m in matchers}) != len(matchers):
+        raise InvalidOptionError(f"Invalid matchers: expected {len(prompts)} distinct matchers, one per prompt, "
+                                 f"got {len(matchers)} ({len({id(m) for m in matchers})} distinct).")
     device = next(target.parameters()).device
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     b = len(prompts)
     width = max(len(p) for p in prompts)
-    pad = constraint.eos_token_id
+    pad = matchers[0].eos_token_id
     ids = torch.full((b, width), pad, dtype=torch.long)
     attn = torch.zeros((b, width), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
     cache = DynamicCache(config=target.config)
-    states = [constraint.initial_state] * b
     outputs: list[list[int]] = [[] for _ in range(b)]
-    finished = [constraint.is_done(s) for s in states]
+    finished = [m.is_done(m.state) for m in matchers]
     t_start = time.perf_counter()
     forwards = 0
     target_s = constraint_s = 0.0
@@ -72,23 +74,24 @@ def decode_batch(
         attn = full_attn
         forwards += 1
         t1 = time.perf_counter()
-        # 2. Mask each row by its own FSM state, pick, advance.
+        # 2. Mask each row by its own matcher, pick, commit.
         nxt = []
         for i in range(b):
             if finished[i]:
                 nxt.append(pad)
                 continue
-            row = apply_mask(logits[i], constraint.allowed_mask(states[i]))
+            m = matchers[i]
+            row = apply_mask(logits[i], m.allowed_mask(m.state))
             if temperature == 0:
                 tok = int(row.argmax())
             else:
                 tok = int(torch.multinomial(masked_probs(row, temperature), 1, generator=generator))
-            if tok == constraint.eos_token_id:
+            if tok == m.eos_token_id:
                 finished[i] = True
             else:
                 outputs[i].append(tok)
-                states[i] = constraint.next_state(states[i], tok)  # type: ignore[assignment]
-                finished[i] = constraint.is_done(states[i])
+                m.advance([tok])
+                finished[i] = m.is_done(m.state)
             nxt.append(tok)
         constraint_s += time.perf_counter() - t1
         target_s += t1 - t0
@@ -97,9 +100,11 @@ def decode_batch(
     total = time.perf_counter() - t_start
     results = []
     for i in range(b):
-        done = finished[i] or constraint.is_final(states[i])
+        done = finished[i] or matchers[i].is_final(matchers[i].state)
         # Each forward and each second served the whole batch: a row's share is 1/b of them.
-        st = DecodeStats(drafter="none (batched)", prompt_tokens=len(prompts[i]), output_tokens=len(outputs[i]),
+        st = DecodeStats(drafter="none (batched)", backend=matchers[i].compiled.backend,
+                         relaxed=list(matchers[i].compiled.warnings), prompt_tokens=len(prompts[i]),
+                         output_tokens=len(outputs[i]),
                          target_forwards=forwards / b, target_seconds=target_s / b,  # type: ignore[arg-type]
                          constraint_seconds=constraint_s / b, total_seconds=total / b, finished=done)
         st.finish()

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from .api import encode_prompt, generate_json, validate_json_output
-from .batched import SPECULATION_MAX_BATCH, decode_batch
-from .backends import compile_constraint
-from .constraint import DEFAULT_JSON_WHITESPACE, load_schema
-from .errors import ConstrainedSpecError, InvalidSchemaError, TokenLimitError
-from .models import resolve_model
+from ..api import encode_prompt, generate_json, validate_json_output
+from ..constraint import JsonSchema, compile_constraint, load_schema
+from ..decoding import SPECULATION_MAX_BATCH, SpecOptions, decode_batch
+from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidSchemaError, TokenLimitError
+from ..models import resolve_model
 
 #: The prompt of each document. ``{fields}`` lists the schema's fields with their types and
 #: descriptions (so ``Field(description=...)`` reaches the model), ``{text}`` is the document,
@@ -116,7 +115,8 @@ def extract(
     draft: Any = None,
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
     batch_size: int = 1,
-    **options: Any,
+    options: SpecOptions | None = None,
+    **option_values: Any,
 ) -> Iterator[ExtractionResult]:
     """Extract one record per document, in order; a failing document yields an error result.
 
@@ -127,26 +127,29 @@ def extract(
         prompt_template: ``str.format`` template with ``{text}``, ``{fields}``, ``{schema}``.
         batch_size: documents decoded together. Up to ``SPECULATION_MAX_BATCH`` (8) each
             document runs the speculative path alone; above it, the target-only masked path
-            runs batched (one forward per step for the whole batch, one FSM state per row).
-        options: passed to ``generate_json`` (drafter, temperature, seed, max_new_tokens, k_max, ...).
+            runs batched (one forward per step for the whole batch, one matcher per row), and
+            the speculation options (drafter, k_max, adaptive, profile) are not used.
+        options, option_values: a ``SpecOptions`` and keyword overrides, as in ``generate_json``;
+            checked here, before any document, on both paths.
     """
-    schema_dict, _ = load_schema(schema)  # bad schemas fail here, before any document
+    opts = SpecOptions.build(options, **option_values)
+    loaded = load_schema(schema)  # bad schemas fail here, before any document
     if "{text}" not in prompt_template:
-        raise ValueError("Invalid prompt_template: it must contain '{text}' where the document goes.")
+        raise InvalidOptionError("Invalid prompt_template: it must contain '{text}' where the document goes.")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InvalidOptionError(f"Invalid batch_size: expected an integer >= 1, got {batch_size!r}.")
     handle = resolve_model(model)
     draft_handle = resolve_model(draft, role="draft") if draft is not None else None
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"Invalid batch_size: expected an integer >= 1, got {batch_size!r}.")
-    fields = describe_fields(schema_dict)
-    schema_text = json.dumps(schema_dict)
+    fields = describe_fields(loaded.schema)
+    schema_text = json.dumps(loaded.schema)
     prompts = ((doc_id, prompt_template.format(text=text, fields=fields, schema=schema_text))
                for doc_id, text in iter_documents(documents))
     if batch_size > SPECULATION_MAX_BATCH:
-        yield from _extract_batched(schema, prompts, handle, batch_size, **options)
+        yield from _extract_batched(loaded, prompts, handle, batch_size, opts)
         return
     for doc_id, prompt in prompts:
         try:
-            value, stats = generate_json(handle, schema, prompt, draft=draft_handle, return_stats=True, **options)
+            value, stats = generate_json(handle, loaded, prompt, draft=draft_handle, options=opts, return_stats=True)
         except InvalidSchemaError:
             raise
         except ConstrainedSpecError as e:
@@ -155,14 +158,11 @@ def extract(
         yield ExtractionResult(doc_id, value=value, stats=_brief(stats))
 
 
-def _extract_batched(schema: Any, prompts: Iterable[tuple[str, str]], handle: Any, batch_size: int,
-                     *, temperature: float = 0.0, seed: int | None = None, max_new_tokens: int = 512,
-                     whitespace: str = DEFAULT_JSON_WHITESPACE, backend: str = "auto", lenient: bool = False,
-                     **_speculation: Any) -> Iterator[ExtractionResult]:
-    """Target-only batched decoding, ``batch_size`` documents per batch (speculation options unused)."""
-    schema_dict, model_cls = load_schema(schema)
-    compiled = compile_constraint(schema_dict, handle.tokenizer, kind="json", backend=backend,  # type: ignore[arg-type]
-                                  lenient=lenient, whitespace=whitespace)
+def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, batch_size: int,
+                     opts: SpecOptions) -> Iterator[ExtractionResult]:
+    """Target-only batched decoding, ``batch_size`` documents per batch, one matcher per row."""
+    compiled = compile_constraint(loaded, handle.tokenizer, kind="json", backend=opts.backend,  # type: ignore[arg-type]
+                                  lenient=opts.lenient, whitespace=opts.whitespace)
     pending = list(prompts)
     for start in range(0, len(pending), batch_size):
         chunk = pending[start : start + batch_size]
@@ -173,9 +173,9 @@ def _extract_batched(schema: Any, prompts: Iterable[tuple[str, str]], handle: An
             except ConstrainedSpecError as e:
                 encoded.append((doc_id, None, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
         rows = [ids for _, ids, _ in encoded if ids is not None]
-        # One cursor for the whole batch: each row walks its own states through it.
-        decoded = iter(decode_batch(handle.model, compiled.for_request(), rows, temperature=temperature, seed=seed,
-                                    max_new_tokens=max_new_tokens) if rows else [])
+        decoded = iter(decode_batch(handle.model, [compiled.matcher() for _ in rows], rows,
+                                    temperature=opts.temperature, seed=opts.seed,
+                                    max_new_tokens=opts.max_new_tokens) if rows else [])
         for doc_id, ids, failed in encoded:
             if failed is not None:
                 yield failed
@@ -184,8 +184,8 @@ def _extract_batched(schema: Any, prompts: Iterable[tuple[str, str]], handle: An
             text = handle.tokenizer.decode(res.tokens, skip_special_tokens=False)
             try:
                 if not res.finished:
-                    raise TokenLimitError(text, max_new_tokens)
-                value = validate_json_output(text, schema_dict, model_cls)
+                    raise TokenLimitError(text, opts.max_new_tokens)
+                value = validate_json_output(text, loaded)
             except ConstrainedSpecError as e:
                 yield ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
                 continue

@@ -43,6 +43,10 @@ def alpha_keys(kinds: Sequence[str]) -> list[str]:
 class KPolicy(Protocol):
     """Chooses the draft length of each step."""
 
+    @property
+    def k_max(self) -> int:
+        """The most tokens a step may verify."""
+
     def next_k(self) -> int:
         """How many tokens the drafter may propose (0 means plain decoding)."""
 
@@ -58,6 +62,11 @@ class FixedK:
     """The baseline: always propose and verify up to ``k`` tokens."""
 
     k: int
+
+    @property
+    def k_max(self) -> int:
+        """The cap is ``k`` itself."""
+        return self.k
 
     def next_k(self) -> int:
         """Always ``k``."""
@@ -145,10 +154,15 @@ class AdaptiveK:
         costly_draft: True for a draft model (K is chosen before drafting, each token costs);
             False for deterministic drafters (propose up to k_max, then trim).
         decay: forgetting factor of the acceptance counts, so estimates follow the request.
+        deterministic: choose K from the tokens seen only, never from timings or from other
+            requests, so that a seeded sampled request draws the same output every time (the
+            verifier's random draws depend on how many tokens each step verifies). The cost
+            model then stays at its prior. Used whenever ``seed`` is given with temperature > 0.
     """
 
     k_max: int
     costly_draft: bool = False
+    deterministic: bool = False
     decay: float = 0.9
     prior_weight: float = 4.0
     _succ: dict[str, float] = field(default_factory=dict)
@@ -162,7 +176,9 @@ class AdaptiveK:
     def __post_init__(self) -> None:
         # Seed this request from what recent requests measured (a snapshot: this request's
         # own updates must not feed back into its prior).
-        self._seed = {**PRIOR_ALPHA, **_RECENT_ALPHA}
+        self._seed = dict(PRIOR_ALPHA) if self.deterministic else {**PRIOR_ALPHA, **_RECENT_ALPHA}
+        if self.deterministic:
+            self._curve = _CostFit(g=_concave, prior=PRIOR_R_CURVE)
 
     def alpha(self, kind: str) -> float:
         """Current acceptance estimate of a kind, seeded from recent requests or the prior."""
@@ -224,6 +240,8 @@ class AdaptiveK:
         for i, key in enumerate(keys[: accepted + 1]):  # positions after the first rejection were not examined
             self._trials[key] += 1
             self._succ[key] += i < accepted
+        if self.deterministic:
+            return  # no timings, and nothing passed on to other requests
         for key in set(keys):
             _RECENT_ALPHA[key] = self.alpha(key)
         k = len(kinds)

@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .backends import compile_constraint
-from .constraint import DEFAULT_JSON_WHITESPACE, compile_regex, load_schema, schema_to_regex, vocabulary_of
-from .errors import ConstrainedSpecError, UnsupportedSchemaFeatureError
+from ..constraint import DEFAULT_JSON_WHITESPACE, CompiledConstraint, clear_cache, compile_constraint, load_schema
+from ..errors import ConstrainedSpecError, UnsupportedSchemaFeatureError
+from ..storage import CACHE_ENV
 from .instances import byte_matcher, search_serialization
 
 
@@ -131,37 +131,35 @@ def _resolve(schema: Any, root: Any) -> Any:
     return schema
 
 
-def _accepts(constraint: Any, tokens: list[int]) -> bool:
-    cursor = constraint.for_request()
-    states = cursor.walk(cursor.initial_state, tokens)
-    return len(states) > len(tokens) and cursor.is_final(states[-1])
+def _accepts(compiled: CompiledConstraint, tokens: list[int]) -> bool:
+    """Whether a fresh matcher of ``compiled`` takes ``tokens`` and ends in a final state."""
+    matcher = compiled.matcher()
+    states = matcher.walk(matcher.initial_state, tokens)
+    return len(states) > len(tokens) and matcher.is_final(states[-1])
 
 
 def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
     """Compile each schema and check its valid instances, per request, until the pipe closes."""
+    import tempfile
+
     from llguidance import LLMatcher
 
-    from . import backends as backends_mod
-    from . import constraint as constraint_mod
-
-    vocab = vocabulary_of(tokenizer)
-    if backend == "llguidance":
-        backends_mod._lltokenizer(tokenizer)  # built before the first timing (~0.3 s)
+    # A corpus run would leave thousands of outlines-core indexes in the disk cache: this
+    # process keeps its own, removed when it ends.
+    scratch = tempfile.TemporaryDirectory(prefix="constrained-spec-coverage-")
+    os.environ[CACHE_ENV] = scratch.name
+    compile_constraint({"type": "boolean"}, tokenizer, backend=backend)  # tokenizer tables built before timing
     tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     while True:
         try:
             schema, values = conn.recv()
         except EOFError:
+            scratch.cleanup()
             return
         t0 = time.perf_counter()
         try:
-            if backend == "llguidance":
-                compiled = compile_constraint(schema, tokenizer, backend="llguidance", lenient=lenient)
-                grammar = compiled.grammar
-            else:  # no disk cache: a corpus run would leave thousands of files behind
-                regex = schema_to_regex(schema, DEFAULT_JSON_WHITESPACE)
-                compiled = compile_regex(regex, vocab, use_disk_cache=False)
-                grammar = LLMatcher.grammar_from_regex(regex)
+            compiled = compile_constraint(schema, tokenizer, backend=backend, lenient=lenient)  # type: ignore[arg-type]
+            grammar = compiled.grammar if backend == "llguidance" else LLMatcher.grammar_from_regex(compiled.pattern)
         except UnsupportedSchemaFeatureError as e:
             conn.send(("refused", 0.0, f"unsupported keyword {e.keyword}", ([], [])))
             continue
@@ -169,15 +167,14 @@ def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
             conn.send(("error", 0.0, str(e).split("\n")[0][:200], ([], [])))
             continue
         finally:
-            constraint_mod._MEMORY_CACHE.clear()  # one schema at a time: keep the worker small
-            backends_mod._GUIDANCE_CACHE.clear()
+            clear_cache()  # one schema at a time: keep the worker small
         ms = 1000 * (time.perf_counter() - t0)
         rejected: list[str] = []
         undetermined: list[str] = []
         matcher = None
         for value in values:
             # Fast path: the value as the corpus writes it, and as the constraint lays it out.
-            ordered = _ordered_like(value, schema)
+            ordered = _ordered_like(value, schema.schema)
             layouts = sorted({json.dumps(value, ensure_ascii=False), json.dumps(ordered, ensure_ascii=False)})
             if any(_accepts(compiled, tokenize(text)) for text in layouts):
                 continue
@@ -192,7 +189,7 @@ def _worker(conn: Any, tokenizer: Any, backend: str, lenient: bool) -> None:
                 rejected.append(result.where)
             else:
                 undetermined.append(result.where)
-        relaxed = list(getattr(compiled, "warnings", []))
+        relaxed = list(compiled.warnings)
         conn.send(("ok", ms, "; ".join(relaxed), (rejected, undetermined)))
 
 
@@ -212,7 +209,7 @@ class _CompilePool:
         self._proc.start()
         child.close()
 
-    def run(self, schema: dict, values: list[Any],
+    def run(self, schema: Any, values: list[Any],
             timeout_s: float) -> tuple[str, float, str, tuple[list[str], list[str]]]:
         """``(status, compile_ms, reason, (rejected, undetermined))``; status is ok, refused, error
         or timeout; the lists say where each rejected or undetermined instance stopped."""
@@ -285,7 +282,7 @@ def run_coverage(
             for n, item in enumerate(items, start=1):
                 sub.schemas += 1
                 try:
-                    schema, _ = load_schema(item["schema"])
+                    schema = load_schema(item["schema"])
                 except ConstrainedSpecError as e:
                     sub.refused += 1
                     reasons[type(e).__name__] += 1
@@ -298,7 +295,7 @@ def run_coverage(
                 elif status == "ok":
                     sub.compiled += 1
                     if len(compiled_schemas) < generate:
-                        compiled_schemas.append(schema)
+                        compiled_schemas.append(schema.schema)
                     if error:
                         sub.relaxed += 1
                         relaxed.update({re.sub(r"\s*\(\d+ times\)", "", w) for w in error.split("; ")})
@@ -343,8 +340,7 @@ def run_coverage(
 
 def _generate_check(schemas: list[dict], model: Any, backend: str, lenient: bool) -> dict[str, Any]:
     """Generate one value per schema; count schema-valid outputs and the ways the others failed."""
-    from .api import generate_json
-    from .errors import ConstrainedSpecError
+    from ..api import generate_json
 
     outcomes: Counter[str] = Counter()
     for schema in schemas:

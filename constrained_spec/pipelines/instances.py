@@ -135,7 +135,7 @@ def byte_matcher(grammar: str) -> Any:
     """An llguidance matcher for ``grammar`` over single-byte tokens."""
     from llguidance import LLMatcher
 
-    from .backends import parser_limits
+    from ..constraint.llguidance import parser_limits
 
     return LLMatcher(_byte_tokenizer(), grammar, limits=parser_limits())
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Literal
 
+from ..errors import InvalidOptionError
+
 Task = Literal["text", "code", "json", "chat"]
 TASKS: tuple[str, ...] = ("text", "code", "json", "chat")
 PROFILE_ENV = "CONSTRAINED_SPEC_PROFILE"
@@ -60,15 +62,15 @@ def profile_for_device(name: str, count: int = 1) -> str:
 
 
 def validate_profile(profile: str) -> str:
-    """Return ``profile`` if known, else raise ``ValueError`` listing the known ones."""
+    """Return ``profile`` if known, else raise ``InvalidOptionError`` listing the known ones."""
     if profile not in K_MAX_PROFILES:
-        raise ValueError(f"Invalid profile: expected one of {sorted(K_MAX_PROFILES)}, got {profile!r}.")
+        raise InvalidOptionError(f"Invalid profile: expected one of {sorted(K_MAX_PROFILES)}, got {profile!r}.")
     return profile
 
 
 def k_max_for(profile: str | None, task: str) -> tuple[str, int]:
     """``(profile, K_max)`` for a task; ``profile=None`` detects it."""
     if task not in TASKS:
-        raise ValueError(f"Invalid task: expected one of {list(TASKS)}, got {task!r}.")
+        raise InvalidOptionError(f"Invalid task: expected one of {list(TASKS)}, got {task!r}.")
     name = validate_profile(profile) if profile is not None else detect_profile()
     return name, K_MAX_PROFILES[name][task]

@@ -14,13 +14,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .api import generate_json
-from .backends import compile_constraint
-from .constraint import load_schema, schema_to_regex
-from .decoder import DecodeStats
-from .models import ModelHandle, resolve_model
+from ..api import generate_json
+from ..constraint import compile_constraint, load_schema, schema_to_regex
+from ..decoding import DecodeStats
+from ..models import ModelHandle, resolve_model
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "extraction.jsonl"
+#: The extraction prompts shipped with the package (schemas inline), so an installed wheel runs them.
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "extraction.jsonl"
 BASELINE = "target-only"
 DEFAULT_CONFIG = "hybrid, adaptive K (auto)"
 
@@ -120,15 +120,20 @@ def _pct_ms(values: list[float], q: float) -> float | None:
     return round(1000 * float(np.quantile(values, q)), 3) if values else None
 
 
-def load_prompts(path: Path | str = DEFAULT_PROMPTS) -> list[dict[str, Any]]:
-    """Benchmark items: ``{"id", "schema" (file name in schemas/ or a path), "prompt"}`` per JSONL line."""
+def load_prompts(path: Path | str = DEFAULT_PROMPTS, limit: int | None = None) -> list[dict[str, Any]]:
+    """Benchmark items: ``{"id", "schema", "prompt"}`` per JSONL line; ``schema`` is a schema
+    object, or a file path (relative to the JSONL file or its ``../schemas`` folder).
+    ``limit`` keeps the first that many."""
     path = Path(path)
-    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:limit]
     for item in items:
-        sp = Path(item["schema"])
-        if not sp.is_absolute() and not sp.is_file():
-            sp = path.parent.parent / "schemas" / item["schema"]
-        item["schema_path"] = str(sp)
+        if isinstance(item["schema"], str):
+            sp = Path(item["schema"])
+            for candidate in (sp, path.parent / sp, path.parent.parent / "schemas" / sp):
+                if candidate.is_file():
+                    sp = candidate
+                    break
+            item["schema"] = str(sp)
     return items
 
 
@@ -149,11 +154,13 @@ def run_bench(
     max_new_tokens: int = 256,
     profile: str | None = None,
     outlines_reference: bool = True,
+    limit: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every configuration on every prompt; return the figures (see ``ConfigFigures.summary``)."""
+    """Run every configuration on every prompt (the first ``limit``); return the figures (see
+    ``ConfigFigures.summary``)."""
     handle = resolve_model(model)
-    items = load_prompts(prompts)
+    items = load_prompts(prompts, limit)
     configs = configs or default_configs()
     figures = {c.name: ConfigFigures(c.name) for c in configs}
     ref = ConfigFigures("outlines + transformers (reference)") if outlines_reference else None
@@ -161,8 +168,7 @@ def run_bench(
     generate_json(handle, {"type": "boolean"}, "Is water wet?", drafter="none", max_new_tokens=4)
     profile_used = None
     for i, item in enumerate(items):
-        schema, _ = load_schema(item["schema_path"])
-        regex = schema_to_regex(schema)  # for the outlines reference row: the same language and layout
+        schema = load_schema(item["schema"])
         compile_constraint(schema, handle.tokenizer)  # compile outside the timings
         # The configurations take turns going first (rotated per prompt), so a slow start or a
         # warm cache does not always favour the same row.
@@ -178,7 +184,8 @@ def run_bench(
         for config in configs:
             figures[config.name].add(*runs[config.name], base_value)
         if ref is not None:
-            gen = _outlines_generator(handle, regex)
+            # The same language and layout as our constraint, as a regex for outlines.
+            gen = _outlines_generator(handle, schema_to_regex(schema.schema))
             text = handle.tokenizer.apply_chat_template(
                 [{"role": "user", "content": item["prompt"]}], add_generation_prompt=True, tokenize=False)
             gen(text, max_new_tokens=2, do_sample=False)  # compile its own index outside the timing

@@ -1,0 +1,28 @@
+"""The constraint layer, one way through: schema -> backend -> ``CompiledConstraint`` -> ``Matcher``.
+
+- ``schema``: load and normalize a JSON schema; the one walker over sub-schemas.
+- ``layout``: where JSON whitespace may go.
+- ``vocabulary``: the exact bytes of every token.
+- ``outlines_core`` / ``llguidance``: the two backends, one module each.
+- ``compile``: ``compile_constraint``, the cached front door every caller uses.
+- ``base``: the interface: an immutable, shared ``CompiledConstraint`` and a per-request
+  ``Matcher`` (``compiled.matcher()``), which is the only thing that decodes.
+- ``masking``: a mask applied to logits, and the masked law.
+"""
+
+from .base import CompiledConstraint, Matcher, State
+from .compile import AUTO_BACKEND, BACKENDS, Backend, Kind, clear_cache, compile_constraint, resolve_backend
+from .layout import DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS
+from .llguidance import GuidanceCompiled, GuidanceMatcher
+from .masking import apply_mask, masked_probs
+from .outlines_core import OutlinesCompiled, OutlinesMatcher, schema_to_regex
+from .schema import JsonSchema, iter_subschemas, keyword_path, load_schema, map_subschemas
+from .vocabulary import TokenVocabulary, vocabulary_of
+
+__all__ = [
+    "AUTO_BACKEND", "BACKENDS", "Backend", "CompiledConstraint", "DEFAULT_JSON_WHITESPACE", "GuidanceCompiled",
+    "GuidanceMatcher", "JSON_LAYOUTS", "JsonSchema", "Kind", "Matcher", "OutlinesCompiled", "OutlinesMatcher",
+    "State", "TokenVocabulary", "apply_mask", "clear_cache", "compile_constraint", "iter_subschemas",
+    "keyword_path", "load_schema", "map_subschemas", "masked_probs", "resolve_backend", "schema_to_regex",
+    "vocabulary_of",
+]

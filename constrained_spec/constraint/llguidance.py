@@ -1,0 +1,345 @@
+"""The llguidance backend: a grammar compiled once, a matcher with rollback per request.
+
+llguidance compiles far more real-world schemas than outlines-core, in about a millisecond,
+and enforces keywords outlines-core ignores (``minimum``, most formats); in strict mode it
+refuses what it cannot enforce, in lenient mode it names what it relaxed.
+
+To give its stateful ``LLMatcher`` the integer-state lookahead of the ``Matcher`` interface,
+each request keeps a trie of the token paths it has visited (a state is a trie node); moving the
+``LLMatcher`` between nodes is a rollback to the common ancestor plus the tokens down to the
+target. Masks, finality and forced text are cached per node, for this request only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InvalidRegexError, InvalidSchemaError, UnsupportedSchemaFeatureError
+from .base import CompiledConstraint, Matcher, State
+from .layout import whitespace_regex
+from .schema import keyword_path, map_subschemas
+from .vocabulary import TokenVocabulary
+
+BACKEND = "llguidance"
+#: Masks kept per request (oldest dropped first): one is vocab-size bytes (48 KiB here), and a
+#: long generation visits thousands of trie nodes, few of them twice.
+MAX_CACHED_MASKS = 512
+#: llguidance's default lexer fuel per mask step (200k) runs out inside long bounded patterns
+#: (``^(\\S+\\s+){0,99}\\S+$`` with ``maxLength: 5000``) and then silently disallows valid
+#: bytes, narrowing the language. 100 times more keeps such strings (measured: a 100-character
+#: answer needs 20M); it is a cap, spent only by the rare pattern that needs it.
+PARSER_LIMITS = {"step_lexer_fuel": 20_000_000, "initial_lexer_fuel": 50_000_000}
+
+
+def parser_limits() -> Any:
+    """The llguidance parser limits every matcher here is built with."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(**PARSER_LIMITS)
+
+
+class _VocabularyTokens:
+    """A ``TokenVocabulary`` as llguidance's ``TokenizerWrapper`` expects a tokenizer: token bytes by
+    id (ids without bytes become special placeholders) and a greedy longest-match encoder."""
+
+    bos_token_id = None
+
+    def __init__(self, vocab: TokenVocabulary) -> None:
+        self.eos_token_id = vocab.eos_token_id
+        self.tokens = [vocab.token_bytes.get(i) or f"<[{i}]>".encode() for i in range(vocab.size)]
+        self.special_token_ids = [i for i in range(vocab.size) if i not in vocab.token_bytes or i == vocab.eos_token_id]
+        self._by_length = sorted(((b, t) for t, b in vocab.token_bytes.items() if t != vocab.eos_token_id),
+                                 key=lambda bt: -len(bt[0]))
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        out: list[int] = []
+        while data:
+            match = next(((b, t) for b, t in self._by_length if data.startswith(b)), None)
+            if match is None:
+                break  # no token has this byte: the rest cannot be tokenized
+            out.append(match[1])
+            data = data[len(match[0]):]
+        return out
+
+
+_LLTOKENIZERS: dict[Any, Any] = {}
+
+
+def lltokenizer(tokenizer: Any, vocab: TokenVocabulary) -> Any:
+    """The llguidance tokenizer of a Hugging Face tokenizer or a hand-built vocabulary (memoized)."""
+    import llguidance
+    import llguidance.hf
+
+    key = vocab.fingerprint if tokenizer is vocab else id(tokenizer)
+    hit = _LLTOKENIZERS.get(key)
+    if hit is None:
+        if tokenizer is vocab:
+            hit = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabularyTokens(vocab)))
+        else:
+            hit = llguidance.hf.from_tokenizer(tokenizer)
+        _LLTOKENIZERS[key] = hit
+    return hit
+
+
+class GuidanceCompiled(CompiledConstraint):
+    """A validated llguidance grammar over one tokenizer; each matcher gets its own ``LLMatcher``."""
+
+    backend = BACKEND
+
+    def __init__(self, grammar: str, lltok: Any, vocab: TokenVocabulary, kind: str, pattern: str,
+                 warnings: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(vocab, kind, pattern, warnings)
+        self.grammar = grammar
+        self.lltokenizer = lltok
+
+    def matcher(self) -> "GuidanceMatcher":
+        """A fresh ``LLMatcher`` and token trie for one request."""
+        return GuidanceMatcher(self)
+
+
+class GuidanceMatcher(Matcher):
+    """One request's ``LLMatcher`` behind integer states (nodes of its token trie)."""
+
+    compiled: GuidanceCompiled
+
+    def __init__(self, compiled: GuidanceCompiled) -> None:
+        from llguidance import LLMatcher
+
+        super().__init__(compiled)
+        self._matcher = LLMatcher(compiled.lltokenizer, compiled.grammar, limits=parser_limits())
+        if self._matcher.is_error():
+            raise InvalidSchemaError(f"Invalid grammar: llguidance says {self._matcher.get_error()}")
+        # The trie: node -> parent, token, depth; (node, token) -> child; the LLMatcher sits at _at.
+        self._parent = [-1]
+        self._token = [-1]
+        self._depth = [0]
+        self._child: dict[tuple[int, int], int] = {}
+        self._rejected: set[tuple[int, int]] = set()
+        self._at = 0
+        self._masks: dict[int, torch.Tensor] = {}
+        self._final: dict[int, bool] = {}
+        self._done: dict[int, bool] = {}
+        self._ff: dict[int, bytes] = {}
+        self._memo: dict[str, dict] = {}
+        # Masks are written in place into this preallocated bitmask (no bytes object per step).
+        self._bits = torch.zeros((compiled.lltokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+
+    @property
+    def memo(self) -> dict[str, dict]:
+        """This request's: trie nodes mean nothing to another matcher."""
+        return self._memo
+
+    def _goto(self, node: int) -> None:
+        """Move the ``LLMatcher`` to ``node``: roll back to the common ancestor, consume down."""
+        if node == self._at:
+            return
+        a, b = self._at, node
+        down: list[int] = []
+        while self._depth[a] > self._depth[b]:
+            a = self._parent[a]
+        while self._depth[b] > self._depth[a]:
+            down.append(self._token[b])
+            b = self._parent[b]
+        while a != b:
+            a = self._parent[a]
+            down.append(self._token[b])
+            b = self._parent[b]
+        up = self._depth[self._at] - self._depth[a]
+        if up:
+            self._matcher.rollback(up)
+        if down:
+            self._matcher.consume_tokens(down[::-1])
+        self._at = node
+
+    def next_state(self, state: State, token: int) -> State | None:
+        """The node after ``token``, or None when it is not allowed (EOS: None too)."""
+        if token == self.eos_token_id:
+            return None
+        key = (state, token)
+        child = self._child.get(key)
+        if child is not None:
+            return child
+        if key in self._rejected:
+            return None
+        mask = self._masks.get(state)
+        if mask is not None and (token >= mask.shape[0] or not bool(mask[token])):
+            self._rejected.add(key)
+            return None
+        self._goto(state)
+        if self._matcher.try_consume_tokens([token]) != 1:
+            self._rejected.add(key)
+            return None
+        child = len(self._parent)
+        self._parent.append(state)
+        self._token.append(token)
+        self._depth.append(self._depth[state] + 1)
+        self._child[key] = child
+        self._at = child
+        return child
+
+    def allowed_mask(self, state: State) -> torch.Tensor:
+        """Boolean mask ``[vocab.size]`` of the allowed tokens (cached per node)."""
+        mask = self._masks.get(state)
+        if mask is None:
+            self._goto(state)
+            self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+            bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
+            mask = torch.from_numpy(bits[: self.vocab.size].astype(bool))
+            if self.eos_token_id < mask.shape[0] and not self.is_final(state):
+                mask[self.eos_token_id] = False  # our invariant: EOS only where the text is complete
+            if len(self._masks) >= MAX_CACHED_MASKS:  # nodes behind the output are not revisited
+                del self._masks[next(iter(self._masks))]
+            self._masks[state] = mask
+        return mask
+
+    def is_final(self, state: State) -> bool:
+        """Whether the text so far is a complete member of the language."""
+        hit = self._final.get(state)
+        if hit is None:
+            self._goto(state)
+            hit = self._final[state] = bool(self._matcher.is_accepting())
+        return hit
+
+    def is_done(self, state: State) -> bool:
+        """Final with nothing but EOS allowed."""
+        hit = self._done.get(state)
+        if hit is None:
+            if not self.is_final(state):
+                hit = False
+            else:
+                mask = self.allowed_mask(state)
+                self._goto(state)
+                hit = bool(self._matcher.is_stopped()) or (int(mask.sum()) == 1 and bool(mask[self.eos_token_id]))
+            self._done[state] = hit
+        return hit
+
+    def forced_bytes(self, state: State, limit: int = 256) -> bytes:
+        """The bytes every continuation from ``state`` starts with (llguidance's fast-forward)."""
+        hit = self._ff.get(state)
+        if hit is None:
+            self._goto(state)
+            hit = self._ff[state] = bytes(self._matcher.compute_ff_bytes())
+        return hit[:limit]
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation
+# --------------------------------------------------------------------------------------------
+
+_REFUSALS = (
+    (re.compile(r"Unimplemented keys: \[\s*\"?([A-Za-z$]+)"), None),
+    (re.compile(r"oneOf constraints are not supported"), "oneOf"),
+    (re.compile(r"Unknown format"), "format"),
+    (re.compile(r"patternPropert"), "patternProperties"),
+    (re.compile(r"min/maxProperties"), "minProperties"),
+)
+
+
+def _refused_keyword(message: str) -> str | None:
+    """The schema keyword an llguidance error message is about, when it names one."""
+    for pattern, keyword in _REFUSALS:
+        m = pattern.search(message)
+        if m:
+            return keyword or m.group(1)
+    return None
+
+
+def json_options(whitespace: str, lenient: bool) -> dict[str, Any]:
+    """llguidance's JSON compile options for a layout (see ``layout``)."""
+    ws = whitespace_regex(whitespace)
+    if ws is None:  # canonical: json.dumps style
+        return {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": lenient}
+    if ws == "":
+        return {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False, "lenient": lenient}
+    return {"item_separator": ",", "key_separator": ":", "whitespace_pattern": ws, "lenient": lenient}
+
+
+def _compile_grammar(grammar: str, lltok: Any, vocab: TokenVocabulary, kind: str, pattern: str, *,
+                     schema: Any = None) -> GuidanceCompiled:
+    """Validate ``grammar`` (naming a refused keyword) and check that some output is possible."""
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok, limits=parser_limits())
+    if is_error:
+        msg = messages[0] if messages else "unknown error"
+        keyword = _refused_keyword(msg)
+        if keyword is not None and kind == "json":
+            raise UnsupportedSchemaFeatureError(keyword, keyword_path(schema, keyword) or "",
+                                                f"llguidance (strict mode): {msg.splitlines()[0]}. lenient=True relaxes it.")
+        if kind == "regex":
+            raise InvalidRegexError(f"Invalid regex {pattern[:200]!r}: llguidance says {msg}")
+        raise InvalidSchemaError(f"Invalid schema: llguidance says {msg}")
+    compiled = GuidanceCompiled(grammar, lltok, vocab, kind, pattern, messages)
+    probe = compiled.matcher()
+    if not probe.is_final(probe.initial_state) and not bool(probe.allowed_mask(probe.initial_state).any()):
+        what = f"regex {pattern[:200]!r}" if kind == "regex" else "schema"
+        error = InvalidRegexError if kind == "regex" else InvalidSchemaError
+        raise error(f"Invalid {what}: it matches nothing (no token can start a valid output).")
+    return compiled
+
+
+def compile_regex_guidance(pattern: str, tokenizer: Any, vocab: TokenVocabulary) -> GuidanceCompiled:
+    """Compile a regex with llguidance."""
+    from llguidance import LLMatcher
+
+    return _compile_grammar(LLMatcher.grammar_from_regex(pattern), lltokenizer(tokenizer, vocab), vocab,
+                            "regex", pattern)
+
+
+def compile_json_guidance(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespace: str, *,
+                          lenient: bool) -> GuidanceCompiled:
+    """Compile a schema with llguidance: strictly; with ``lenient``, strictly where it can be and
+    otherwise with the unenforceable keywords relaxed and named in ``warnings``."""
+    try:
+        return _compile_json(schema, tokenizer, vocab, whitespace, relax=False)
+    except UnsupportedSchemaFeatureError:
+        if not lenient:
+            raise
+    return _compile_json(schema, tokenizer, vocab, whitespace, relax=True)
+
+
+def _compile_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespace: str, *,
+                  relax: bool) -> GuidanceCompiled:
+    from llguidance import LLMatcher
+
+    options = json_options(whitespace, relax)
+    dropped: list[str] = []
+    if relax:
+        options["coerce_one_of"] = True  # oneOf enforced as anyOf; exclusivity checked on the output
+        schema, dropped = _without_unsupported_property_counts(schema)
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    pattern = "json:" + json.dumps(schema, sort_keys=True) + json.dumps(options, sort_keys=True)
+    compiled = _compile_grammar(grammar, lltokenizer(tokenizer, vocab), vocab, "json", pattern, schema=schema)
+    notes = list(compiled.warnings)  # llguidance's own warnings name what it relaxed
+    if relax and keyword_path(schema, "oneOf") is not None and not any("oneOf" in w for w in notes):
+        notes.append("oneOf enforced as anyOf")
+    notes += [f"min/maxProperties not enforced at {path or '/'}" for path in dropped]
+    compiled.warnings = tuple(dict.fromkeys(notes))  # still private: not yet in the cache
+    return compiled
+
+
+def _without_unsupported_property_counts(schema: Any) -> tuple[Any, list[str]]:
+    """The schema without ``minProperties`` / ``maxProperties`` where some listed property is optional.
+
+    llguidance's lenient mode mis-handles them there (``minProperties: 1`` then demands a property
+    outside ``properties``, rejecting valid objects), so they are dropped: the language widens,
+    the output is still validated against the original schema, and the paths are reported.
+    """
+    dropped: list[str] = []
+
+    def drop(node: dict, path: str) -> dict:
+        props = node.get("properties")
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if not (isinstance(props, dict) and any(k not in required for k in props)):
+            return node
+        if "minProperties" in node or "maxProperties" in node:
+            dropped.append(path)
+        return {k: v for k, v in node.items() if k not in ("minProperties", "maxProperties")}
+
+    return map_subschemas(schema, drop), dropped

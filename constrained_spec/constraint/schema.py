@@ -1,0 +1,152 @@
+"""JSON schemas: loading and normalizing, and the one walker over sub-schemas.
+
+Every other place that looks inside a schema (backend support checks, keyword paths in error
+messages, rewrites) goes through ``iter_subschemas`` or ``map_subschemas``, so they agree on
+what a sub-schema is and on its JSON pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple
+
+from ..errors import InvalidSchemaError
+
+#: Keywords whose value is data, never a sub-schema.
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+#: Keywords whose value maps names to sub-schemas (a name is never taken for a keyword).
+SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependencies", "dependentSchemas")
+
+
+class JsonSchema(NamedTuple):
+    """A loaded, checked schema: the dict and, when it came from one, the pydantic class."""
+
+    schema: dict
+    model_cls: type | None = None
+
+
+def load_schema(spec: Any) -> JsonSchema:
+    """Normalize a schema given as a dict, JSON text, file path or pydantic class (or an
+    already loaded ``JsonSchema``, returned as is).
+
+    Raises ``InvalidSchemaError`` when the input is not a valid JSON schema. For draft-03..07
+    schemas, keywords beside a ``$ref`` are dropped, as those drafts say.
+    """
+    if isinstance(spec, JsonSchema):
+        return spec
+    model_cls = None
+    schema = spec
+    if isinstance(schema, type):
+        from pydantic import BaseModel
+
+        if not issubclass(schema, BaseModel):
+            raise InvalidSchemaError(
+                f"Invalid schema: expected a pydantic model class, a dict, JSON text or a file path, got class {schema.__name__}."
+            )
+        model_cls = schema
+        schema = schema.model_json_schema()
+    elif isinstance(schema, os.PathLike) or (
+        isinstance(schema, str) and not schema.lstrip().startswith(("{", "[")) and schema.strip()
+    ):
+        path = Path(schema)
+        if not path.is_file():
+            raise InvalidSchemaError(f"Invalid schema: expected JSON text or an existing file, got {str(schema)!r} (no such file).")
+        try:
+            schema = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise InvalidSchemaError(f"Invalid schema: {path} is not JSON ({e}).") from None
+    elif isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidSchemaError(f"Invalid schema: the JSON text does not parse ({e}).") from None
+    if isinstance(schema, bool) or not isinstance(schema, dict):
+        raise InvalidSchemaError(f"Invalid schema: expected a JSON object, got {type(schema).__name__}.")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/" + "/".join(str(p) for p in e.absolute_path)
+        raise InvalidSchemaError(f"Invalid schema at {where}: {e.message}") from None
+    if _REF_OVERRIDES_SIBLINGS.search(str(schema.get("$schema", ""))):
+        schema = _without_ref_siblings(schema)
+    return JsonSchema(schema, model_cls)
+
+
+#: Drafts in which ``$ref`` replaces its object: "all other properties in a $ref object MUST be
+#: ignored" (draft-07 8.3). The grammar engines intersect the siblings instead (2019-09 rules),
+#: which would forbid values the draft allows (``{"type": "string", "$ref": "#/obj"}``).
+_REF_OVERRIDES_SIBLINGS = re.compile(r"draft-0[3-7]\b")
+_KEPT_BESIDE_REF = frozenset({"$ref", "definitions", "$defs", "$schema", "$id", "id", "title", "description",
+                              "$comment"})
+
+
+def _without_ref_siblings(schema: Any) -> Any:
+    """The schema with the keywords a draft-03..07 ``$ref`` overrides removed (definitions kept)."""
+
+    def drop(node: dict, path: str) -> dict:
+        if not isinstance(node.get("$ref"), str):
+            return node
+        return {k: v for k, v in node.items() if k in _KEPT_BESIDE_REF}
+
+    return map_subschemas(schema, drop)
+
+
+def _children(node: dict, path: str) -> Iterator[tuple[str, Any]]:
+    """The values below one schema node that may hold sub-schemas, with their pointers."""
+    for key, value in node.items():
+        if key in DATA_KEYWORDS:
+            continue
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield f"{path}/{key}/{name}", sub
+        else:
+            yield f"{path}/{key}", value
+
+
+def iter_subschemas(schema: Any, path: str = "") -> Iterator[tuple[str, dict]]:
+    """Every sub-schema (``path``, node), outside in, depth first, the root first.
+
+    Data keywords (``enum``, ``const``, ``default``, ``examples``) are not entered, and in maps
+    of names to sub-schemas (``properties``, ``$defs``...) a name is never taken for a keyword.
+    """
+    if isinstance(schema, list):
+        for i, value in enumerate(schema):
+            yield from iter_subschemas(value, f"{path}/{i}")
+        return
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for sub_path, value in _children(schema, path):
+        yield from iter_subschemas(value, sub_path)
+
+
+def map_subschemas(schema: Any, fix: Callable[[dict, str], dict], path: str = "") -> Any:
+    """A copy of ``schema`` with ``fix(node, json_pointer)`` applied to every sub-schema, outside in
+    (the same nodes and pointers as ``iter_subschemas``)."""
+    if isinstance(schema, list):
+        return [map_subschemas(v, fix, f"{path}/{i}") for i, v in enumerate(schema)]
+    if not isinstance(schema, dict):
+        return schema
+    node = fix(schema, path)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: map_subschemas(sub, fix, f"{path}/{key}/{name}") for name, sub in value.items()}
+        else:
+            out[key] = map_subschemas(value, fix, f"{path}/{key}")
+    return out
+
+
+def keyword_path(schema: Any, keyword: str) -> str | None:
+    """JSON pointer of the first sub-schema that uses ``keyword`` ("/" for the root), or None."""
+    for path, node in iter_subschemas(schema):
+        if keyword in node:
+            return path or "/"
+    return None

@@ -1,0 +1,242 @@
+"""The speculative decoder: draft, verify in one target forward, roll back to the accepted prefix.
+
+Target-only constrained decoding is the same loop with K = 0, so the baseline and the fast
+path share every line that could make them differ.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import torch
+from transformers import DynamicCache
+
+from ..constraint import Matcher, State, apply_mask
+from ..drafters import Draft, Drafter
+from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError
+from .kpolicy import FixedK, KPolicy
+from .stats import DecodeResult, DecodeStats
+from .verifier import masked_probs, verify_greedy, verify_sampled
+
+
+class SpeculativeDecoder:
+    """One request's decoding state: the target KV cache, the matcher, the output so far.
+
+    Invariants between steps: the target cache holds ``prompt + output`` minus its last token
+    (``self.last``), which is fed at the start of the next step; the matcher has committed
+    exactly ``output``.
+
+    Args:
+        target: a causal LM (transformers), called with ``cache=`` and ``logits_to_keep=``.
+        matcher: a fresh matcher for this request (``compiled.matcher()``); the drafter walks it too.
+        prompt_ids: the prompt's token ids.
+        drafter: proposes tokens (None: target-only decoding).
+        k_policy: chooses K each step (default: ``FixedK(0)``, target-only).
+        temperature: 0 for greedy; above 0, exact sampling from the masked target law.
+        seed: seeds the one generator the verifier and every drafter share.
+        max_new_tokens: the generation limit (also bounded by the model's context).
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        matcher: Matcher,
+        prompt_ids: list[int],
+        *,
+        drafter: Drafter | None = None,
+        k_policy: KPolicy | None = None,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        max_new_tokens: int = 512,
+    ) -> None:
+        if not isinstance(matcher, Matcher):
+            raise InvalidOptionError(
+                f"Invalid matcher: expected a Matcher, got {type(matcher).__name__}; "
+                "pass compiled.matcher(), one per request."
+            )
+        if matcher.num_tokens:
+            raise InvalidOptionError(
+                f"Invalid matcher: it has already committed {matcher.num_tokens} tokens; "
+                "each request needs a fresh compiled.matcher()."
+            )
+        if drafter is not None and any(m is not matcher for m in drafter.matchers()):
+            raise InvalidOptionError("Invalid drafter: it walks another matcher than the decoder's; "
+                                     "build it with the request's matcher.")
+        if not prompt_ids:
+            raise InvalidPromptError("Invalid prompt: expected at least one token, got an empty prompt.")
+        context = getattr(target.config, "max_position_embeddings", None)
+        if context is not None and len(prompt_ids) >= context:
+            raise InvalidPromptError(
+                f"Invalid prompt: {len(prompt_ids)} tokens do not fit the model's context of {context} tokens "
+                "(at least one must be left to generate). Shorten the prompt."
+            )
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise InvalidOptionError(f"Invalid temperature: expected a number >= 0, got {temperature!r}.")
+        self.target = target
+        self.matcher = matcher
+        self.prompt_ids = list(prompt_ids)
+        self.drafter = drafter
+        self.k_policy: KPolicy = k_policy or FixedK(0)
+        self.temperature = float(temperature)
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        if drafter is not None:
+            drafter.set_generator(self.generator)
+        self.max_new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
+        self.device = next(target.parameters()).device
+        self.output: list[int] = []
+        self.finished = False
+        self.cache = DynamicCache(config=target.config)
+        self.last = self.prompt_ids[-1]
+        self._single: dict[State, bool] = {}
+        self._pending: list[int] = []
+        self.stats = DecodeStats(drafter=drafter.name if drafter else "none", prompt_tokens=len(prompt_ids),
+                                 backend=matcher.compiled.backend, relaxed=list(matcher.compiled.warnings),
+                                 k_policy=type(self.k_policy).__name__,
+                                 k_max=getattr(self.k_policy, "k_max", 0) if drafter else 0)
+        self._started = time.perf_counter()
+
+    @property
+    def state(self) -> State:
+        """The matcher state after the output so far."""
+        return self.matcher.state
+
+    @torch.no_grad()
+    def _forward(self, ids: list[int], rows: list[int], first: int = 0) -> torch.Tensor:
+        """Feed ``ids`` through the target with the cache; logits ``[len(ids) - first, V]`` for
+        positions ``first..``, where only the listed ``rows`` (each >= ``first``) are computed and
+        the others are zero: the vocabulary projection is a fifth of a forward here, so rows
+        nobody reads are skipped."""
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
+                          logits_to_keep=keep)
+        logits = out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
+        full = torch.zeros(len(ids) - first, logits.shape[-1], dtype=logits.dtype)
+        full[[r - first for r in rows]] = logits
+        return full
+
+    def _single_token(self, state: State, mask: torch.Tensor) -> bool:
+        """Whether ``state`` allows exactly one token (EOS included): its masked law is one-hot."""
+        single = self._single.get(state)
+        if single is None:
+            single = self._single[state] = int(mask.sum()) == 1
+        return single
+
+    def start(self) -> None:
+        """Reset the drafter and queue the prompt. Nothing is fed yet: the prompt (minus its last
+        token) rides in the first step's verify pass, which saves one forward per request."""
+        if self.drafter is not None:
+            self.drafter.reset(self.prompt_ids)
+        self._pending = self.prompt_ids[:-1]
+
+    def step(self) -> list[int]:
+        """One speculative step; returns the tokens it emitted (EOS excluded) and updates all state."""
+        st = self.stats
+        # 1. Choose K; a step emits at most K + 1 tokens, so stay within max_new_tokens.
+        room = self.max_new_tokens - len(self.output)
+        k = max(0, min(self.k_policy.next_k(), room - 1))
+        # 2. Draft: every proposed token is allowed by the matcher along the draft path.
+        t0 = time.perf_counter()
+        if k > 0 and self.drafter is not None:
+            draft = self.drafter.propose(self.prompt_ids + self.output, self.state, k)
+            keep = self.k_policy.trim(draft.token_kinds())
+            if keep < len(draft.tokens):  # verify only the prefix that is expected to pay
+                draft = draft.prefix(keep)
+        else:
+            draft = Draft([], [self.state])
+        t1 = time.perf_counter()
+        k = len(draft.tokens)
+        # 3. Masks along the draft path (s_0..s_k). A state that allows a single token has a
+        # one-hot masked law whatever the logits say, so its row is not computed (zeros, masked).
+        masks = [self.matcher.allowed_mask(s) for s in draft.states]
+        if not bool(masks[0].any()):
+            text = b"".join(self.matcher.vocab.token_bytes.get(t, b"") for t in self.output)
+            raise DeadEndError(text.decode("utf-8", errors="replace"), len(self.output))
+        pending, self._pending = self._pending, []
+        first = len(pending)
+        rows = [first + i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
+        tc = time.perf_counter()
+        # 4. Verify: one target forward over [last, x_1..x_k] (after the prompt, in the first
+        # step) -> logits for k + 1 positions, masked.
+        logits = self._forward([*pending, self.last, *draft.tokens], rows, first)  # [k+1, V]
+        t2 = time.perf_counter()
+        if pending:
+            st.prefill_seconds = t2 - tc
+        for i, mask in enumerate(masks):
+            apply_mask(logits[i], mask)
+        t3 = time.perf_counter()
+        x = torch.tensor(draft.tokens, dtype=torch.long)
+        if self.temperature == 0:
+            verdict = verify_greedy(logits, x)
+        else:
+            verdict = verify_sampled(masked_probs(logits, self.temperature), x, draft.q, self.generator)
+        n, y = verdict.accepted, verdict.next_token
+        t4 = time.perf_counter()
+        if draft.tokens and self.drafter is not None:
+            self.drafter.update(draft, n, y)
+        # 5. Roll back: drop the k - n rejected positions from the cache; commit what was emitted.
+        if k > n:
+            self.cache.crop(-(k - n))
+        t5 = time.perf_counter()
+        emitted = draft.tokens[:n]
+        if y == self.matcher.eos_token_id:
+            self.finished = True
+        else:
+            emitted = emitted + [y]
+            self.last = y
+        self.matcher.advance(emitted)
+        self.output.extend(emitted)
+        if not self.finished and self.matcher.is_done(self.state):
+            self.finished = True  # only EOS is left: target-only decoding would emit it with p = 1
+        t6 = time.perf_counter()
+        # 6. Book-keeping for the K policy and the stats.
+        self.k_policy.update(draft.token_kinds(), n, None if first else t2 - tc, t1 - t0)
+        constraint_s = (tc - t1) + (t3 - t2) + (t6 - t5)
+        st.target_forwards += 1
+        st.drafted += k
+        st.accepted += n
+        st.ks.append(k)
+        st.accepted_per_step.append(n)
+        for i, kind in enumerate(draft.token_kinds()):
+            st.count_kind(kind, drafted=1, accepted=int(i < n))
+        if y != self.matcher.eos_token_id:
+            st.count_kind("target", accepted=1)
+        st.step_ends.append(t6 - self._started)
+        st.tokens_after_step.append(len(self.output))
+        st.draft_seconds += t1 - t0
+        st.target_seconds += t2 - tc
+        st.verify_seconds += t4 - t3
+        st.constraint_seconds += constraint_s
+        st.constraint_step_seconds.append(constraint_s)
+        st.step_seconds.append(t6 - t0)
+        return emitted
+
+    def run(self) -> Iterator[list[int]]:
+        """Start, then yield each step's emitted tokens until final, EOS or the token limit."""
+        t0 = self._started = time.perf_counter()
+        self.start()
+        if self.matcher.is_done(self.state):
+            self.finished = True
+        while not self.finished and len(self.output) < self.max_new_tokens:
+            emitted = self.step()
+            if emitted:
+                yield emitted
+        if not self.finished and self.matcher.is_final(self.state):
+            self.finished = True  # at the limit, a complete member of the language is a valid result
+        self.stats.output_tokens = len(self.output)
+        self.stats.finished = self.finished
+        self.stats.total_seconds = time.perf_counter() - t0
+        self.stats.finish()
+
+
+def decode(target: Any, matcher: Matcher, prompt_ids: list[int], **options: Any) -> DecodeResult:
+    """Generate token ids under ``matcher``; with no drafter (or K = 0), target-only decoding.
+
+    Options as in ``SpeculativeDecoder``. Greedy (``temperature = 0``) output equals target-only
+    greedy output token for token; sampled output follows the target-only grammar-masked law
+    exactly.
+    """
+    dec = SpeculativeDecoder(target, matcher, prompt_ids, **options)
+    for _ in dec.run():
+        pass
+    return DecodeResult(dec.output, dec.finished, dec.stats)

@@ -1,0 +1,75 @@
+"""What a generation reports: its tokens, whether the constraint was satisfied, and its figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    """Figures of one generation. ``dataclasses.asdict`` gives a JSON-ready dict.
+
+    Times are wall-clock seconds, per phase of a step: ``draft_seconds`` (proposing, the
+    drafter's own matcher walks included), ``constraint_seconds`` (the masks along the draft
+    path, applying them to the logits, committing the emitted tokens to the matcher),
+    ``target_seconds`` (the target forward), ``verify_seconds`` (accept / reject and sampling).
+    The rest of a step (KV-cache crop, drafter and K-policy updates) is in ``step_seconds`` only.
+    """
+
+    drafter: str = "none"
+    backend: str = ""
+    #: Schema keywords the backend relaxed (llguidance lenient mode); empty when all are enforced.
+    relaxed: list[str] = field(default_factory=list)
+    profile: str = ""
+    k_policy: str = ""
+    k_max: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0
+    ks: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
+    #: Seconds since the request started, and output length, at the end of each step.
+    step_ends: list[float] = field(default_factory=list)
+    tokens_after_step: list[int] = field(default_factory=list)
+    #: Per step: constraint seconds and the step's total seconds (for p50 / p99 and the share).
+    constraint_step_seconds: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    #: The first step's pass, which carries the prompt and verifies the first draft.
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    constraint_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    #: Output tokens over the whole request (prompt pass included).
+    tokens_per_second: float = 0.0
+    forwards_per_token: float = 0.0
+    finished: bool = False
+    #: Per drafter kind: drafted, accepted, and supplied (output tokens it provided; the
+    #: target supplies every recovered or bonus token, under the kind "target").
+    per_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def count_kind(self, kind: str, drafted: int = 0, accepted: int = 0) -> None:
+        """Add to one kind's counters (accepted tokens are also supplied tokens)."""
+        row = self.per_kind.setdefault(kind, {"drafted": 0, "accepted": 0, "supplied": 0})
+        row["drafted"] += drafted
+        row["accepted"] += accepted
+        row["supplied"] += accepted
+
+    def finish(self) -> None:
+        """Fill the derived ratios."""
+        self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
+        self.tokens_per_second = self.output_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+        self.forwards_per_token = self.target_forwards / self.output_tokens if self.output_tokens else 0.0
+
+
+@dataclass
+class DecodeResult:
+    """Token ids generated (EOS not included), whether the constraint was satisfied, and stats."""
+
+    tokens: list[int]
+    finished: bool
+    stats: DecodeStats

@@ -1,0 +1,19 @@
+"""Drafters: propose up to K tokens from the request's matcher state; the verifier decides.
+
+One module each: ``lookup`` (prompt lookup), ``model`` (a draft LM), ``grammar`` (forced text),
+``copy`` (copy a value from the prompt), ``hybrid`` (all of them in one draft); ``base`` holds
+the contract, ``factory`` builds a drafter by name.
+"""
+
+from .base import Draft, Drafter, cut_to_constraint
+from .copy import CopyDrafter
+from .factory import DRAFTER_NAMES, build_drafter
+from .grammar import GrammarDrafter
+from .hybrid import HybridDrafter
+from .lookup import LookupDrafter, structural_tokens
+from .model import ModelDrafter
+
+__all__ = [
+    "CopyDrafter", "DRAFTER_NAMES", "Draft", "Drafter", "GrammarDrafter", "HybridDrafter", "LookupDrafter",
+    "ModelDrafter", "build_drafter", "cut_to_constraint", "structural_tokens",
+]

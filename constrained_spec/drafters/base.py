@@ -1,0 +1,95 @@
+"""The drafter contract: propose up to K tokens from a matcher state; the verifier decides.
+
+As in transformers' candidate generators, a drafter has two real methods, ``propose`` and
+(optionally) ``update`` from the verdict; the others are no-op hooks a drafter overrides when
+it needs them, so the decoder calls every hook on every drafter and never asks ``hasattr``.
+
+Every proposed token is allowed by the request's matcher when walked from the given state; a
+drafter never proposes EOS, so the draft law q is the drafter's own law over the allowed set
+minus EOS (the target still emits EOS as a recovered or bonus token). Deterministic drafters
+(forced text, copy, lookup) return ``q = None``: q is one-hot at the proposal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..constraint import Matcher, State
+
+
+@dataclass
+class Draft:
+    """A proposal.
+
+    Attributes:
+        tokens: x_1..x_k (k may be 0).
+        states: matcher states s_0..s_k along the path (``len(tokens) + 1`` entries).
+        q: ``[k, V]`` draft probabilities, or None for a deterministic drafter.
+        kind: the drafter that made it; ``kinds``: the drafter behind each token (hybrid drafts
+            mix kinds), defaulting to ``kind``.
+    """
+
+    tokens: list[int]
+    states: list[State]
+    q: torch.Tensor | None = None
+    kind: str = "none"
+    kinds: list[str] | None = None
+
+    def token_kinds(self) -> list[str]:
+        """The drafter kind behind each token."""
+        return self.kinds if self.kinds is not None else [self.kind] * len(self.tokens)
+
+    def prefix(self, keep: int) -> "Draft":
+        """The first ``keep`` tokens, with their states, q rows and kinds."""
+        return Draft(self.tokens[:keep], self.states[: keep + 1], self.q[:keep] if self.q is not None else None,
+                     self.kind, self.kinds[:keep] if self.kinds is not None else None)
+
+
+class Drafter:
+    """Base class of every drafter: a name, the request's matcher, and no-op hooks.
+
+    Subclasses implement ``propose``; they override ``reset`` (per-request state), ``update``
+    (learning from verdicts) and ``set_generator`` (sampling drafters) when they need them.
+    """
+
+    name = "drafter"
+
+    def __init__(self, matcher: Matcher) -> None:
+        self.matcher = matcher
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Forget everything from a previous request; called once before its first proposal."""
+
+    def propose(self, context: list[int], state: State, k: int) -> Draft:
+        """Up to ``k`` tokens continuing ``context`` (prompt + output so far) from matcher ``state``."""
+        raise NotImplementedError
+
+    def update(self, draft: Draft, accepted: int, next_token: int) -> None:
+        """See the verdict on ``draft``: ``accepted`` tokens passed, then ``next_token`` came."""
+
+    def set_generator(self, generator: torch.Generator | None) -> None:
+        """The random source of the request (from ``seed=``), shared with the verifier."""
+
+    def matchers(self) -> list[Matcher]:
+        """Every matcher this drafter walks (one per part for composite drafters)."""
+        return [self.matcher]
+
+    def empty(self, state: State) -> Draft:
+        """A proposal of no tokens."""
+        return Draft([], [state], None, self.name)
+
+
+def cut_to_constraint(matcher: Matcher, state: State, tokens: Sequence[int]) -> list[State]:
+    """States along the longest prefix of ``tokens`` the matcher allows (never past a done state)."""
+    states = [state]
+    for t in tokens:
+        if matcher.is_done(states[-1]):
+            break
+        nxt = matcher.next_state(states[-1], t)
+        if nxt is None:
+            break
+        states.append(nxt)
+    return states

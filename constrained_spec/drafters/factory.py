@@ -1,0 +1,56 @@
+"""Building the drafter a request asks for by name, wired to the request's matcher."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..constraint import Matcher, vocabulary_of
+from ..errors import InvalidOptionError
+from .base import Drafter
+from .copy import CopyDrafter
+from .grammar import GrammarDrafter
+from .hybrid import HybridDrafter
+from .lookup import LookupDrafter, structural_tokens
+from .model import ModelDrafter
+
+#: Drafter names a request may ask for; "auto" means "hybrid".
+DRAFTER_NAMES: tuple[str, ...] = ("none", "model", "lookup", "grammar", "hybrid", "auto")
+
+
+def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: Any = None,
+                  temperature: float = 0.0, source_text: str | None = None) -> Drafter | None:
+    """The drafter called ``name`` for one request (None for "none").
+
+    Args:
+        name: one of ``DRAFTER_NAMES`` ("auto" is "hybrid": forced text, then a copy from the
+            prompt, then lookup, then ``draft_model`` when one is given).
+        matcher: the request's matcher; every part walks it.
+        tokenizer: the target's Hugging Face tokenizer (to tokenize forced and copied text).
+        draft_model: a causal LM with the same tokenizer, for "model" (required) and "hybrid".
+        temperature: the draft model's sampling temperature (0: its argmax, q one-hot).
+        source_text: the text a copy drafter copies from (the user's prompt, not the chat template).
+    """
+    if name == "auto":
+        name = "hybrid"
+    if name not in DRAFTER_NAMES:
+        raise InvalidOptionError(f"Invalid drafter: expected one of {', '.join(map(repr, DRAFTER_NAMES))}, got {name!r}.")
+    if name == "none":
+        return None
+    model = ModelDrafter(draft_model, matcher, temperature=temperature) if draft_model is not None else None
+    if name == "model":
+        if model is None:
+            raise InvalidOptionError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='hybrid'.")
+        return model
+    if name == "lookup":
+        return LookupDrafter(matcher)
+    tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    grammar = GrammarDrafter(matcher, tokenize)
+    if name == "grammar":
+        return grammar
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    parts: list[Drafter] = [
+        grammar,
+        CopyDrafter(matcher, tokenize, decode, source=source_text),
+        LookupDrafter(matcher, ignore=structural_tokens(vocabulary_of(tokenizer))),
+    ]
+    return HybridDrafter(parts + ([model] if model is not None else []))

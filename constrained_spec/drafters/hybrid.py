@@ -1,0 +1,83 @@
+"""The hybrid drafter: forced text first, then a copy from the prompt, then lookup, then a draft model."""
+
+from __future__ import annotations
+
+import torch
+
+from ..constraint import Matcher, State
+from .base import Draft, Drafter
+
+
+class HybridDrafter(Drafter):
+    """Concatenates its parts' proposals: each part continues from the state the previous one
+    reached, so the whole draft is one path of the matcher. After a part proposes, the parts
+    are asked again from the first (forced text may follow a copied span). Model positions carry
+    q rows, deterministic ones one-hot rows. Every hook reaches every part.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, parts: list[Drafter], *, max_model_tokens: int = 4) -> None:
+        if not parts:
+            raise ValueError("Invalid hybrid drafter: expected at least one part.")
+        matchers = {id(m) for part in parts for m in part.matchers()}
+        if len(matchers) != 1:
+            raise ValueError("Invalid hybrid drafter: every part must walk the same matcher (the request's).")
+        super().__init__(parts[0].matcher)
+        self.parts = parts
+        #: A draft model pays per token, so its share of one proposal is capped.
+        self.max_model_tokens = max_model_tokens
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Reset every part."""
+        for part in self.parts:
+            part.reset(prompt_ids)
+
+    def update(self, draft: Draft, accepted: int, next_token: int) -> None:
+        """Let every part see the verdict."""
+        for part in self.parts:
+            part.update(draft, accepted, next_token)
+
+    def set_generator(self, generator: torch.Generator | None) -> None:
+        """Hand the request's generator to every part (the draft model's sampling included)."""
+        for part in self.parts:
+            part.set_generator(generator)
+
+    def matchers(self) -> list[Matcher]:
+        """The one matcher all parts walk."""
+        return [self.matcher]
+
+    def propose(self, context: list[int], state: State, k: int) -> Draft:
+        """Concatenate the parts' proposals until ``k`` tokens are drafted."""
+        tokens: list[int] = []
+        states = [state]
+        kinds: list[str] = []
+        q_rows: list[torch.Tensor | None] = []
+        while len(tokens) < k:
+            grew = False
+            for part in self.parts:
+                room = k - len(tokens)
+                if part.name == "model":
+                    room = min(room, self.max_model_tokens)
+                d = part.propose(context + tokens, states[-1], room)
+                if not d.tokens:
+                    continue
+                tokens += d.tokens
+                states += d.states[1:]
+                kinds += d.token_kinds()
+                q_rows += list(d.q) if d.q is not None else [None] * len(d.tokens)
+                grew = True
+                break  # start again from the first part: forced text may follow a copied span
+            if not grew:
+                break
+        q = None
+        if any(r is not None for r in q_rows):
+            v = next(r for r in q_rows if r is not None).shape[0]
+            q = torch.stack([r if r is not None else _one_hot(t, v) for r, t in zip(q_rows, tokens)])
+        return Draft(tokens, states, q, self.name, kinds)
+
+
+def _one_hot(token: int, size: int) -> torch.Tensor:
+    row = torch.zeros(size, dtype=torch.float64)
+    row[token] = 1.0
+    return row
