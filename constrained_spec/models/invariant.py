@@ -1,0 +1,96 @@
+"""Batch-invariant forwards: a position's hidden states do not depend on how many positions
+share the forward, so a k-token verify pass and k one-token passes agree bit for bit, and
+greedy speculative output equals greedy target-only output by construction, not by luck.
+
+What varies with the number of rows in a forward, and what is done about it:
+- linear layers: float32 matmul kernels pick their blocking by shape; the int4 kernel
+  (``Int4Linear``) computes each row alone, so it is invariant as it is;
+- RMSNorm: the mean of squares is a reduction whose CPU strategy depends on the row count;
+  here it is summed in float64 and rounded to float32;
+- attention over the new rows: computed in float64 and rounded to float32.
+  In both, a different reduction order changes the float64 result by ~1e-16 relative, which
+  the rounding to float32 removes unless the value lies that close to a float32 rounding
+  boundary (odds ~1e-8 per value). A fixed tree of elementwise adds would be invariant with
+  no odds at all, but cost 10x the reduction here (3 ms per forward in the norms alone);
+- the prompt rows of the first pass (``prompt_rows=``) keep the stock kernel: they are the
+  same rows with the same keys in every run of a request, so they get the same bits anyway.
+Everything else (embedding, rotary embedding, residual adds, SiLU) is elementwise. The output
+projection stays a float32 matmul: its 1e-5 differences reach no later rounding.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+IMPLEMENTATION = "constrained_spec_invariant"
+
+
+def invariant_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward`` with the mean of squares taken in float64 (see the module docstring)."""
+    input_dtype = hidden_states.dtype
+    x = hidden_states.to(torch.float32)
+    variance = (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32)
+    x = x * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * x.to(input_dtype)
+
+
+def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention for transformers' ``AttentionInterface`` (shapes as there: ``query`` ``[b, h, q, d]``,
+    ``key`` / ``value`` ``[b, h_kv, kv, d]``; returns ``[b, q, h, d]``). The first ``prompt_rows``
+    query rows go to the stock kernel over their own keys only; the others to float64 attention."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    past = kv_len - q_len
+    prompt_rows = int(kwargs.pop("prompt_rows", 0) or 0)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    parts = []
+    if prompt_rows:
+        keys = past + prompt_rows
+        mask = attention_mask[..., :prompt_rows, :keys] if attention_mask is not None else None
+        out, _ = sdpa_attention_forward(module, query[:, :, :prompt_rows], key[:, :, :keys], value[:, :, :keys], mask,
+                                        dropout=dropout, scaling=scale, **kwargs)
+        parts.append(out)
+    if prompt_rows < q_len:
+        groups = getattr(module, "num_key_value_groups", 1)
+        k = repeat_kv(key, groups).double()
+        v = repeat_kv(value, groups).double()
+        q = query[:, :, prompt_rows:].double()
+        scores = (q @ k.transpose(-1, -2)) * scale  # [b, h, q', kv]
+        positions = torch.arange(past + prompt_rows, kv_len, device=query.device)
+        allowed = torch.arange(kv_len, device=query.device)[None, :] <= positions[:, None]  # causal
+        if attention_mask is not None:
+            m = attention_mask[..., prompt_rows:, :]
+            allowed = allowed & (m if m.dtype == torch.bool else m > float("-inf"))
+            # A left-padding row may see no key at all: let it see itself, so no NaN reaches the
+            # cache (its output is never read).
+            own = torch.arange(kv_len, device=query.device)[None, :] == positions[:, None]
+            allowed = allowed | (~allowed.any(dim=-1, keepdim=True) & own)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out = (torch.softmax(scores, dim=-1) @ v).to(query.dtype)  # [b, h, q', d]
+        parts.append(out.transpose(1, 2))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
+
+
+def make_batch_invariant(model: Any) -> Any:
+    """Install the invariant RMSNorm and attention in a llama-family model (in place) and mark it
+    ``model.batch_invariant = True``; the decoder then tells it which rows are prompt rows."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, invariant_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(invariant_rms_norm, module)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(IMPLEMENTATION)
+    else:  # pragma: no cover - older transformers
+        model.config._attn_implementation = IMPLEMENTATION
+    model.batch_invariant = True
+    return model

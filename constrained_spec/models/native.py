@@ -1,0 +1,92 @@
+"""The embedded GGUF model at its native precision: its Q4_1 linear layers run as stored.
+
+Every linear layer of SmolLM2's GGUF is Q4_1 (210 tensors); they become ``Int4Linear`` modules
+(a fifth of the float32 bytes). The tied embedding / output matrix is Q8_0, which torch's int8
+kernel cannot hold (one scale per row, Q8_0 has one per 32 weights), so it stays as the exact
+dequantized float32 matrix; the norms are float32 in the file. The packed weights are cached
+beside the dequantized ones, so the second load is fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ModelLoadError
+from .int4 import Int4Linear
+
+#: GGUF tensor name (within ``blk.N.``) -> the transformers module (within ``model.layers.N.``).
+GGUF_LINEARS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_row_order(rows: int, heads: int) -> np.ndarray:
+    """GGUF stores q/k rows interleaved for llama.cpp's rotary layout; transformers un-permutes
+    them on load (``reshape(heads, rows/heads/2, 2).swapaxes``). The same order here."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
+
+
+def q4_1_linears(gguf_path: Path | str, config: Any) -> dict[str, Int4Linear]:
+    """``Int4Linear`` modules for every Q4_1 linear layer of a llama-family GGUF, by module name."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    out: dict[str, Int4Linear] = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS:
+            continue
+        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            raise ModelLoadError(f"Native precision needs Q4_1 linear layers; {tensor.name} is {tensor.tensor_type.name}.")
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists [in, out]
+        order = None
+        if parts[2] == "attn_q":
+            order = _hf_row_order(shape[0], config.num_attention_heads)
+        elif parts[2] == "attn_k":
+            order = _hf_row_order(shape[0], config.num_key_value_heads)
+        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = Int4Linear.from_q4_1(tensor.data, shape, order)
+    if not out:
+        raise ModelLoadError(f"No Q4_1 linear layers in {gguf_path}: native precision needs a Q4_1 GGUF.")
+    return out
+
+
+def install_int4(model: Any, linears: dict[str, Int4Linear]) -> Any:
+    """Replace ``model``'s linear layers by the given ``Int4Linear`` modules (in place), checking shapes."""
+    for name, module in linears.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        if (old.out_features, old.in_features) != (module.out_features, module.in_features):
+            raise ModelLoadError(f"Native precision: {name} is {tuple(old.weight.shape)} in the model, "
+                                 f"({module.out_features}, {module.in_features}) in the GGUF.")
+        setattr(parent, child, module)
+    return model
+
+
+def save_int4(linears: dict[str, Int4Linear], path: Path) -> None:
+    """Cache packed weights as safetensors (two tensors per layer)."""
+    from safetensors.torch import save_file
+
+    state = {}
+    for name, m in linears.items():
+        state[f"{name}.packed"] = m.packed.contiguous()
+        state[f"{name}.scales_and_zeros"] = m.scales_and_zeros.contiguous()
+        state[f"{name}.shape"] = torch.tensor([m.out_features, m.in_features])
+    save_file(state, str(path), metadata={"format": "constrained_spec.int4"})
+
+
+def load_int4(path: Path) -> dict[str, Int4Linear]:
+    """The modules cached by ``save_int4``."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    names = {k.rsplit(".", 1)[0] for k in state}
+    return {name: Int4Linear(state[f"{name}.packed"], state[f"{name}.scales_and_zeros"],
+                             in_features=int(state[f"{name}.shape"][1]), out_features=int(state[f"{name}.shape"][0]))
+            for name in names}

@@ -1,0 +1,166 @@
+"""Native precision: Q4_1 weights packed for the int4 kernel, exact unpacking, row invariance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from constrained_spec import ModelLoadError, load_model
+from constrained_spec.models.int4 import Int4Linear, dequantize_q4_1, unpack_q4_1
+
+
+def random_q4_1(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw bytes of a random Q4_1 tensor of ``n`` rows of ``k`` weights."""
+    rng = np.random.default_rng(seed)
+    blocks = np.zeros((n, k // 32, 20), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.05, size=(n, k // 32)).astype(np.float16)
+    m = (-8 * d.astype(np.float32) + rng.normal(0, 0.01, size=d.shape)).astype(np.float16)
+    blocks[..., 0:2] = d.view(np.uint8).reshape(n, k // 32, 2)
+    blocks[..., 2:4] = m.view(np.uint8).reshape(n, k // 32, 2)
+    blocks[..., 4:] = rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def test_unpacking_matches_gguf():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_q4_1(48, 96)
+    ours = dequantize_q4_1(raw, (48, 96))
+    theirs = dequantize(raw, GGMLQuantizationType.Q4_1).reshape(48, 96)
+    assert np.array_equal(ours, theirs)
+
+
+def test_int4_linear_holds_the_weights_up_to_bfloat16_scales():
+    """Fed the identity, the kernel returns its effective weights: (q - 8) s + z with s, z in
+    bfloat16 (as documented), rounded to bfloat16 on output. A wrong nibble order or row order
+    would be off by whole scales."""
+    n, k = 64, 128
+    raw = random_q4_1(n, k, seed=1)
+    layer = Int4Linear.from_q4_1(raw, (n, k))
+    got = layer(torch.eye(k, dtype=torch.bfloat16)).T.float()  # [n, k]
+    q, d, m = unpack_q4_1(raw, (n, k))
+    s = torch.from_numpy(d.astype(np.float32)).to(torch.bfloat16).float()
+    z = torch.from_numpy((m.astype(np.float32) + 8 * d.astype(np.float32))).to(torch.bfloat16).float()
+    expected = ((torch.from_numpy(q.astype(np.float32)).reshape(n, k // 32, 32) - 8) * s[..., None] + z[..., None])
+    assert torch.equal(got, expected.reshape(n, k).to(torch.bfloat16).float())
+    exact = torch.from_numpy(dequantize_q4_1(raw, (n, k)))
+    assert (got - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+
+
+def test_rows_are_bit_identical_whatever_the_batch():
+    n, k = 96, 160
+    layer = Int4Linear.from_q4_1(random_q4_1(n, k, seed=2), (n, k))
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(24)])
+    for m in (2, 5, 9, 17, 24):
+        assert torch.equal(layer(x[:m]), alone[:m])
+    assert torch.equal(layer(x.reshape(4, 6, k)).reshape(24, n), alone)
+
+
+def test_bad_precision_is_refused():
+    with pytest.raises(ModelLoadError, match="Invalid precision"):
+        load_model(precision="int3")
+    with pytest.raises(ModelLoadError, match="embedded GGUF model only"):
+        load_model("some/model", precision="native")
+    with pytest.raises(ModelLoadError, match="disagree"):
+        load_model(precision="bfloat16", dtype="float32")
+
+
+@pytest.mark.slow
+def test_native_model_runs_the_stored_weights(smol):
+    """Every linear layer of the embedded model is packed, in transformers' row order (a wrong q/k
+    permutation would move whole rows), and the next-token choice agrees with float32 here."""
+    native = load_model(precision="native")
+    assert native is load_model(precision="native")
+    layers = dict(native.model.named_modules())
+    assert sum(isinstance(m, Int4Linear) for m in layers.values()) == 7 * native.model.config.num_hidden_layers
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj", "model.layers.29.mlp.down_proj"):
+        w32 = smol.model.get_submodule(name).weight.detach()
+        got = layers[name](torch.eye(w32.shape[1])).T
+        assert (got - w32).abs().max() <= 2 ** -6 * w32.abs().max(), name
+    ids = torch.tensor([smol.tokenizer("Maria Gonzalez is a 34-year-old architect who lives in")["input_ids"]])
+    with torch.no_grad():
+        assert int(native.model(ids).logits[0, -1].argmax()) == int(smol.model(ids).logits[0, -1].argmax())
+
+
+@pytest.fixture(scope="module")
+def native_and_tokens(smol):
+    from constrained_spec.pipelines.bench import DEFAULT_PROMPTS, load_prompts
+
+    native = load_model(precision="native")
+    item = load_prompts(DEFAULT_PROMPTS)[0]
+    text = native.tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
+                                                add_generation_prompt=True, tokenize=False)
+    prompt = native.tokenizer(text, add_special_tokens=False)["input_ids"]
+    out = native.tokenizer('{"name": "Maria Gonzalez", "age": 34, "city": "Barcelona", "occupation": "architect"}',
+                           add_special_tokens=False)["input_ids"]
+    return native, prompt, out
+
+
+@torch.no_grad()
+def hidden(model, cache, ids, prompt_rows=0):
+    return model.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True,
+                       prompt_rows=prompt_rows).last_hidden_state[0]
+
+
+@pytest.mark.slow
+def test_native_forward_is_batch_invariant(native_and_tokens):
+    """Hidden states before the output projection: a k-token pass equals k one-token passes bit for
+    bit, for k in 1..24, both in the first pass (which also carries the prompt) and later ones."""
+    from transformers import DynamicCache
+
+    native, prompt, out = native_and_tokens
+    model = native.model
+    assert model.batch_invariant and len(out) >= 24
+    n = len(prompt) - 1
+    # Reference: the prompt pass with the last prompt token alone, then one token per pass.
+    cache = DynamicCache(config=model.config)
+    ref = [hidden(model, cache, prompt, prompt_rows=n)[-1]]
+    for t in out[:24]:
+        ref.append(hidden(model, cache, [t])[0])
+    ref = torch.stack(ref)  # positions n .. n + 24
+    for k in range(1, 25):
+        cache = DynamicCache(config=model.config)  # first pass: prompt + last + k drafts
+        got = hidden(model, cache, prompt + out[:k], prompt_rows=n)[n:]
+        assert torch.equal(got, ref[: k + 1]), f"first pass, k={k}"
+    for k in (1, 2, 5, 8, 13, 21, 24):
+        cache = DynamicCache(config=model.config)  # a later pass: the prompt, then k + 1 new rows
+        hidden(model, cache, prompt, prompt_rows=n)
+        got = hidden(model, cache, out[:k])
+        assert torch.equal(got, ref[1 : k + 1]), f"later pass, k={k}"
+
+
+@pytest.mark.slow
+def test_native_greedy_speculative_equals_target_only_on_every_bench_prompt(native_and_tokens):
+    """Through the decoder at native precision: the same text and token count, prompt by prompt
+    (without the invariant attention and norm, one of these six differed)."""
+    from constrained_spec import generate_json
+    from constrained_spec.pipelines.bench import DEFAULT_PROMPTS, load_prompts
+
+    native = native_and_tokens[0]
+
+    def text(item, drafter):
+        stream = generate_json(native, item["schema"], item["prompt"], drafter=drafter, max_new_tokens=256, stream=True)
+        return "".join(stream), stream.stats
+
+    for item in load_prompts(DEFAULT_PROMPTS):
+        base, s0 = text(item, "none")
+        spec, s1 = text(item, "auto")
+        assert spec == base, item["id"]
+        assert s1.output_tokens == s0.output_tokens and s1.target_forwards < s0.target_forwards
+
+
+@pytest.mark.slow
+def test_bench_runs_precisions_side_by_side():
+    from constrained_spec.pipelines.bench import BenchConfig, run_bench
+
+    configs = [BenchConfig("target-only", "none"), BenchConfig("hybrid, fixed K=8", "hybrid", 8, adaptive=False)]
+    report = run_bench(limit=1, configs=configs, precisions=("float32", "native"), outlines_reference=False,
+                       max_new_tokens=64)
+    names = [r["config"] for r in report["rows"]]
+    assert names == ["float32: target-only", "float32: hybrid, fixed K=8", "native: target-only",
+                     "native: hybrid, fixed K=8"]
+    assert all(r["identical_outputs"] == "1/1" for r in report["rows"])
+    assert report["dtype"] == "float32, native"
