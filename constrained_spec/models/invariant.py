@@ -43,7 +43,7 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     """Attention for transformers' ``AttentionInterface`` (shapes as there: ``query`` ``[b, h, q, d]``,
     ``key`` / ``value`` ``[b, h_kv, kv, d]``; returns ``[b, q, h, d]``). The first ``prompt_rows``
     query rows go to the stock kernel over their own keys only; the others to float64 attention."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q_len, kv_len = query.shape[2], key.shape[2]
     past = kv_len - q_len
@@ -57,22 +57,27 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
                                         dropout=dropout, scaling=scale, **kwargs)
         parts.append(out)
     if prompt_rows < q_len:
-        groups = getattr(module, "num_key_value_groups", 1)
-        k = repeat_kv(key, groups).double()
-        v = repeat_kv(value, groups).double()
-        q = query[:, :, prompt_rows:].double()
-        scores = (q @ k.transpose(-1, -2)) * scale  # [b, h, q', kv]
+        b, heads, _, dim = query.shape
+        kv_heads = key.shape[1]
+        rows = q_len - prompt_rows
+        # Query heads grouped by the key head they share (GQA), so keys and values are converted
+        # once per key head rather than repeated per query head.
+        q = query[:, :, prompt_rows:].double().reshape(b, kv_heads, heads // kv_heads * rows, dim)
+        scores = ((q @ key.double().transpose(-1, -2)) * scale).reshape(b, kv_heads, heads // kv_heads, rows, kv_len)
         positions = torch.arange(past + prompt_rows, kv_len, device=query.device)
-        allowed = torch.arange(kv_len, device=query.device)[None, :] <= positions[:, None]  # causal
+        allowed = torch.arange(kv_len, device=query.device)[None, :] <= positions[:, None]  # causal, [rows, kv]
         if attention_mask is not None:
             m = attention_mask[..., prompt_rows:, :]
-            allowed = allowed & (m if m.dtype == torch.bool else m > float("-inf"))
+            allowed = allowed & (m if m.dtype == torch.bool else m > float("-inf"))  # [b, 1, rows, kv]
             # A left-padding row may see no key at all: let it see itself, so no NaN reaches the
             # cache (its output is never read).
             own = torch.arange(kv_len, device=query.device)[None, :] == positions[:, None]
             allowed = allowed | (~allowed.any(dim=-1, keepdim=True) & own)
+        if allowed.dim() == 4:
+            allowed = allowed.unsqueeze(2)  # [b, 1, 1, rows, kv]: the same for every head of a group
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out = (torch.softmax(scores, dim=-1) @ v).to(query.dtype)  # [b, h, q', d]
+        probs = torch.softmax(scores, dim=-1).reshape(b, kv_heads, heads // kv_heads * rows, kv_len)
+        out = (probs @ value.double()).reshape(b, heads, rows, dim).to(query.dtype)
         parts.append(out.transpose(1, 2))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
 
