@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 from .constraint import CompiledConstraint, JsonSchema, compile_constraint, load_schema
 from .decoding import DecodeStats, SpecOptions, SpeculativeDecoder
 from .drafters import build_drafter
-from .errors import InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, TokenLimitError
+from .errors import InvalidPromptError, InvalidRegexError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
 
 
@@ -79,18 +79,16 @@ def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], Compiled
     if draft is not None and opts.drafter_kind in ("model", "hybrid"):
         draft_handle = resolve_model(draft, role="draft")
         check_same_tokenizer(handle, draft_handle)
-    elif opts.drafter_kind == "model":
-        raise InvalidOptionError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='hybrid'.")
     matcher = compile_for(handle).matcher()
     prompt_ids = encode_prompt(handle, prompt)
+    # Raises InvalidOptionError for drafter="model" without a draft model (still before any forward).
     drafter = build_drafter(opts.drafter_kind, matcher, handle.tokenizer,
                             draft_model=draft_handle.model if draft_handle else None,
                             temperature=opts.temperature, source_text=prompt)
     profile, k_max = opts.resolve_k_max(task)
-    dec = SpeculativeDecoder(handle.model, matcher, prompt_ids, drafter=drafter, k_policy=opts.k_policy(task),
+    dec = SpeculativeDecoder(handle.model, matcher, prompt_ids, drafter=drafter, k_policy=opts.k_policy(k_max),
                              temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens)
     dec.stats.profile = profile
-    dec.stats.k_max = k_max
     return handle, dec
 
 

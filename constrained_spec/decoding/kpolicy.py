@@ -168,7 +168,7 @@ class AdaptiveK:
     _succ: dict[str, float] = field(default_factory=dict)
     _trials: dict[str, float] = field(default_factory=dict)
     _cost: _CostFit = field(default_factory=_CostFit)
-    _curve: _CostFit = field(default_factory=lambda: _CostFit(g=_concave, prior=(_RECENT_CURVE or [PRIOR_R_CURVE])[-1]))
+    _curve: _CostFit = field(init=False)
     _draft_per_token: float = 0.0
     _skipped: int = 0
     _seed: dict[str, float] = field(default_factory=dict)
@@ -177,8 +177,8 @@ class AdaptiveK:
         # Seed this request from what recent requests measured (a snapshot: this request's
         # own updates must not feed back into its prior).
         self._seed = dict(PRIOR_ALPHA) if self.deterministic else {**PRIOR_ALPHA, **_RECENT_ALPHA}
-        if self.deterministic:
-            self._curve = _CostFit(g=_concave, prior=PRIOR_R_CURVE)
+        recent_r = None if self.deterministic or not _RECENT_CURVE else _RECENT_CURVE[-1]
+        self._curve = _CostFit(g=_concave, prior=PRIOR_R_CURVE if recent_r is None else recent_r)
 
     def alpha(self, kind: str) -> float:
         """Current acceptance estimate of a kind, seeded from recent requests or the prior."""

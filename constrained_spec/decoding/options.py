@@ -115,9 +115,8 @@ class SpecOptions:
             return profile, 0
         return profile, self.k_max if self.k_max is not None else profile_k
 
-    def k_policy(self, task: str) -> KPolicy:
-        """A fresh K policy for one request."""
-        _, k_max = self.resolve_k_max(task)
+    def k_policy(self, k_max: int) -> KPolicy:
+        """A fresh K policy for one request, capped at ``k_max`` (from ``resolve_k_max``)."""
         if self.drafter == "none" or not self.adaptive:
             return FixedK(k_max)
         # A seeded sampled request must not depend on timings or on earlier requests.

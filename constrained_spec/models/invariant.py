@@ -64,14 +64,15 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         # once per key head rather than repeated per query head.
         q = query[:, :, prompt_rows:].double().reshape(b, kv_heads, heads // kv_heads * rows, dim)
         scores = ((q @ key.double().transpose(-1, -2)) * scale).reshape(b, kv_heads, heads // kv_heads, rows, kv_len)
-        positions = torch.arange(past + prompt_rows, kv_len, device=query.device)
-        allowed = torch.arange(kv_len, device=query.device)[None, :] <= positions[:, None]  # causal, [rows, kv]
+        key_index = torch.arange(kv_len, device=query.device)[None, :]
+        positions = key_index[0, past + prompt_rows :, None]  # each new row's own position
+        allowed = key_index <= positions  # causal, [rows, kv]
         if attention_mask is not None:
             m = attention_mask[..., prompt_rows:, :]
             allowed = allowed & (m if m.dtype == torch.bool else m > float("-inf"))  # [b, 1, rows, kv]
             # A left-padding row may see no key at all: let it see itself, so no NaN reaches the
             # cache (its output is never read).
-            own = torch.arange(kv_len, device=query.device)[None, :] == positions[:, None]
+            own = key_index == positions
             allowed = allowed | (~allowed.any(dim=-1, keepdim=True) & own)
         if allowed.dim() == 4:
             allowed = allowed.unsqueeze(2)  # [b, 1, 1, rows, kv]: the same for every head of a group

@@ -34,14 +34,14 @@ class ModelHandle:
     model: Any
     tokenizer: Any
     name: str = "model"
+    #: "native" for the packed 4-bit model; None: the weights' dtype says it.
+    native_precision: str | None = field(default=None, repr=False)
     _vocab: TokenVocabulary | None = field(default=None, repr=False)
 
     @property
     def precision(self) -> str:
         """"native" for the packed 4-bit model, else the weights' dtype ("float32", "bfloat16", ...)."""
-        if getattr(self.model, "batch_invariant", False) and "native" in self.name:
-            return "native"
-        return str(getattr(self.model, "dtype", "")).replace("torch.", "")
+        return self.native_precision or str(getattr(self.model, "dtype", "")).replace("torch.", "")
 
     @property
     def vocabulary(self) -> TokenVocabulary:
@@ -139,7 +139,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None) ->
         os.replace(tmp, packed)
     install_int4(model, linears)
     make_batch_invariant(model)
-    handle = ModelHandle(model, tokenizer, DEFAULT_MODEL_NAME + " (native Q4_1)")
+    handle = ModelHandle(model, tokenizer, DEFAULT_MODEL_NAME + " (native Q4_1)", native_precision="native")
     warm_up(handle)
     _LOADED[key] = handle
     return handle
