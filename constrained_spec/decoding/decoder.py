@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
-from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError
+from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from .kpolicy import FixedK, KPolicy
 from .stats import DecodeResult, DecodeStats
 from .verifier import masked_probs, verify_greedy, verify_sampled
@@ -112,6 +112,11 @@ class SpeculativeDecoder:
         extra = {"prompt_rows": first} if self._batch_invariant else {}  # see models.invariant
         out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
                           logits_to_keep=keep, **extra)
+        if not self.stats.target_forwards and self.cache.get_seq_length() != len(ids):
+            import transformers
+
+            raise ModelLoadError(f"transformers {transformers.__version__} did not fill the KV cache passed as "
+                                 "cache= (older 5.x releases ignore it); install transformers>=5.24.")
         logits = out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
         full = torch.zeros(len(ids) - first, logits.shape[-1], dtype=logits.dtype)
         full[[r - first for r in rows]] = logits

@@ -3,8 +3,13 @@ share the forward, so a k-token verify pass and k one-token passes agree bit for
 for k = 1..24), and greedy speculative output equals greedy target-only output.
 
 What varies with the number of rows in a forward, and what is done about it:
-- linear layers: float32 matmul kernels pick their blocking by shape; the int4 kernel
-  (``Int4Linear``) computes each row alone, so it is invariant as it is;
+- linear layers: matmul kernels pick their blocking by shape. On the CPU the int4 kernel
+  (``Int4Linear``) computes each row alone, so it is invariant as it is. On a GPU, cuBLAS picks
+  another kernel (tile, split-K) for another row count, so every other linear layer becomes a
+  ``BucketedLinear``: its new rows go through the matmul in blocks of exactly ``ROW_BUCKET``
+  rows (zero-padded), one kernel shape for every forward, and a kernel of one shape computes
+  each output element with the same reduction order whichever row it sits in. Padding costs
+  nothing there: a forward of a small model is bound by reading the weights, not by rows;
 - RMSNorm: the mean of squares is a reduction whose CPU strategy depends on the row count;
   here it is summed in float64 and rounded to float32;
 - attention over the new rows: computed in float64 and rounded to float32.
@@ -12,8 +17,11 @@ What varies with the number of rows in a forward, and what is done about it:
   the rounding to float32 removes unless the value lies that close to a float32 rounding
   boundary (odds ~1e-8 per value). A fixed tree of elementwise adds would be invariant with
   no odds at all, but cost 10x the reduction here (3 ms per forward in the norms alone);
-- the prompt rows of the first pass (``prompt_rows=``) keep the stock kernel: they are the
-  same rows with the same keys in every run of a request, so they get the same bits anyway.
+- the prompt rows of the first pass (``prompt_rows=``) keep the stock kernels (attention over
+  their own keys, a plain matmul): they are the same rows with the same keys in every run of a
+  request, so they get the same bits anyway. A hook on the model puts the forward's
+  ``prompt_rows`` into a ``RowSplit`` that the linear layers read, since keyword arguments of a
+  forward reach attention but not the linear layers.
 Everything else (embedding, rotary embedding, residual adds, SiLU) is elementwise. The output
 projection stays a float32 matmul: its 1e-5 differences reach no later rounding.
 """
@@ -24,8 +32,69 @@ import types
 from typing import Any
 
 import torch
+from torch import nn
+
+from .int4 import Int4Linear
 
 IMPLEMENTATION = "constrained_spec_invariant"
+#: Rows per matmul call of a ``BucketedLinear``: a verify pass holds the last token and at most
+#: K_max drafts (12 on GPUs), so one block serves every step.
+ROW_BUCKET = 32
+
+
+class RowSplit:
+    """The number of leading prompt rows in the forward under way (per sequence), shared by a
+    model's routed linear layers and set from the forward's ``prompt_rows=`` by a hook."""
+
+    __slots__ = ("prompt_rows",)
+
+    def __init__(self) -> None:
+        self.prompt_rows = 0
+
+    def install(self, model: Any) -> None:
+        """Track ``prompt_rows`` on ``model``'s decoder stack (the output projection after it
+        sees only output rows, so the count is cleared once the stack is done)."""
+        stack = getattr(model, "base_model", model)
+
+        def enter(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+            self.prompt_rows = int(kwargs.get("prompt_rows") or 0)
+
+        def leave(*_: Any) -> None:
+            self.prompt_rows = 0
+
+        stack.register_forward_pre_hook(enter, with_kwargs=True)
+        stack.register_forward_hook(leave)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[..., seq, d]`` -> (its prompt rows, its other rows), along ``seq``."""
+        p = min(self.prompt_rows, x.shape[-2]) if x.dim() >= 2 else 0
+        return x[..., :p, :], x[..., p:, :]
+
+
+class BucketedLinear(nn.Module):
+    """A linear layer whose non-prompt rows go through the matmul in zero-padded blocks of exactly
+    ``ROW_BUCKET`` rows, so each row's result does not depend on how many rows the forward has
+    (see the module docstring). Prompt rows take one plain matmul. Same parameters as the layer."""
+
+    def __init__(self, linear: nn.Linear, rows: RowSplit) -> None:
+        super().__init__()
+        self.linear = linear
+        self.rows = rows
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The wrapped layer's weight (transformers reads the output embeddings' weight)."""
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., K]`` -> ``[..., N]``."""
+        prompt, new = self.rows.split(x) if x.dim() >= 2 else (x[:0], x)
+        flat = new.reshape(-1, new.shape[-1])
+        n = flat.shape[0]
+        padded = torch.nn.functional.pad(flat, (0, 0, 0, -n % ROW_BUCKET))
+        out = torch.cat([self.linear(block) for block in padded.split(ROW_BUCKET)])[:n]
+        out = out.reshape(*new.shape[:-1], out.shape[-1])
+        return torch.cat([self.linear(prompt), out], dim=-2) if prompt.shape[-2] else out
 
 
 def invariant_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -83,17 +152,29 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
 
 
-def make_batch_invariant(model: Any) -> Any:
+def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> Any:
     """Install the invariant RMSNorm and attention in a llama-family model (in place) and mark it
-    ``model.batch_invariant = True``; the decoder then tells it which rows are prompt rows."""
+    ``model.batch_invariant = True``; the decoder then tells it which rows are prompt rows. On a
+    GPU (or with ``bucket_linears=True``) its ``nn.Linear`` layers become ``BucketedLinear`` (the
+    lm_head included); ``Int4Linear`` layers get the model's ``RowSplit`` (they send long prompt
+    blocks another way)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(IMPLEMENTATION, invariant_attention)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
-    for module in model.modules():
+    rows = RowSplit()
+    rows.install(model)
+    if bucket_linears is None:
+        bucket_linears = next(model.parameters()).device.type != "cpu"
+    for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RMSNorm"):
             module.forward = types.MethodType(invariant_rms_norm, module)
+        elif isinstance(module, Int4Linear):
+            module.rows = rows
+        elif bucket_linears and type(module) is nn.Linear:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, BucketedLinear(module, rows))
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(IMPLEMENTATION)
     else:  # pragma: no cover - older transformers
