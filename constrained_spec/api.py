@@ -86,7 +86,8 @@ def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], Compiled
                             draft_model=draft_handle.model if draft_handle else None,
                             temperature=opts.temperature, source_text=prompt)
     profile, k_max = opts.resolve_k_max(task)
-    dec = SpeculativeDecoder(handle.model, matcher, prompt_ids, drafter=drafter, k_policy=opts.k_policy(k_max),
+    policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name)
+    dec = SpeculativeDecoder(handle.model, matcher, prompt_ids, drafter=drafter, k_policy=policy,
                              temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens)
     dec.stats.profile = profile
     return handle, dec

@@ -394,6 +394,7 @@ def bench_cmd(
     dtype: Optional[str] = DtypeOpt,
     precision: Optional[str] = typer.Option(None, "--precision", help="One precision, or several side by side in one run: float32,native (the embedded model)."),
     outlines_reference: bool = typer.Option(True, "--outlines/--no-outlines", help="Include outlines' transformers generator as a reference row."),
+    llama_cpp: bool = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="Include llama.cpp's grammar path on the embedded GGUF as a reference row (where llama-cpp-python is installed)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of tokens over time and K per step."),
 ) -> None:
@@ -412,14 +413,15 @@ def bench_cmd(
         target = model if several else _model_arg(model, dtype, precision)
         report = run_bench(prompts or DEFAULT_PROMPTS, model=target, precisions=several, configs=default_configs(ks),
                            max_new_tokens=max_new_tokens, profile=profile, outlines_reference=outlines_reference,
-                           limit=limit,
+                           llama_cpp=llama_cpp, limit=limit,
                            progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))
-        table = Table(title=f"{report['model']} ({report['dtype']}): {report['prompts']} extraction prompts, greedy, "
+        table = Table(title=f"{report['model']} ({report['precision']}): {report['prompts']} extraction prompts, greedy, "
                             f"profile {report['profile']}")
         cols = {"config": "config", "tokens_per_second": "tok/s", "speedup_vs_target_only": "speedup",
                 "target_forwards_per_token": "fwd/token", "acceptance_by_kind": "accepted by kind",
                 "constraint_ms_per_token_p50": "constraint ms/tok p50", "constraint_ms_per_token_p99": "p99",
-                "constraint_share_of_step": "share", "identical_outputs": "identical"}
+                "constraint_share_of_step": "share", "identical_outputs": "identical",
+                "field_accuracy": "fields right"}
         for c, header in cols.items():
             table.add_column(header, justify="left" if c in ("config", "acceptance_by_kind") else "right", no_wrap=True)
         for row in report["rows"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -153,14 +155,32 @@ def test_native_greedy_speculative_equals_target_only_on_every_bench_prompt(nati
 
 
 @pytest.mark.slow
-def test_bench_runs_precisions_side_by_side():
+def test_bench_runs_precisions_side_by_side(monkeypatch):
+    """Both precisions in one run, each row compared with its own precision's target-only output
+    and scored against the prompt's expected fields; a reference row (a stand-in for llama.cpp,
+    which CI does not build) is timed on the same prompt, parsed and scored the same way."""
+    from constrained_spec.pipelines import bench
     from constrained_spec.pipelines.bench import BenchConfig, run_bench
 
+    item = bench.load_prompts(bench.DEFAULT_PROMPTS)[0]
+    seen = []
+
+    def fake_row(max_new_tokens):
+        def prepare(schema, text, ids):
+            seen.append((schema.schema == item["schema"], text.endswith("assistant\n"), len(ids)))
+            return lambda: json.dumps(item["expected"])
+        return prepare
+
+    monkeypatch.setattr(bench, "llama_cpp_row", fake_row)
     configs = [BenchConfig("target-only", "none"), BenchConfig("hybrid, fixed K=8", "hybrid", 8, adaptive=False)]
     report = run_bench(limit=1, configs=configs, precisions=("float32", "native"), outlines_reference=False,
                        max_new_tokens=64)
-    names = [r["config"] for r in report["rows"]]
-    assert names == ["float32: target-only", "float32: hybrid, fixed K=8", "native: target-only",
-                     "native: hybrid, fixed K=8"]
-    assert all(r["identical_outputs"] == "1/1" for r in report["rows"])
-    assert report["dtype"] == "float32, native"
+    rows = {r["config"]: r for r in report["rows"]}
+    assert list(rows) == ["float32: target-only", "float32: hybrid, fixed K=8", "native: target-only",
+                          "native: hybrid, fixed K=8", "llama.cpp grammar, Q4_1 GGUF (reference)"]
+    assert all(rows[name]["identical_outputs"] == "1/1" for name in list(rows)[:4])
+    # The same values at both precisions, so the same fields right (the small model misses some).
+    assert len({rows[name]["field_accuracy"] for name in list(rows)[:4]}) == 1
+    assert rows["llama.cpp grammar, Q4_1 GGUF (reference)"]["field_accuracy"] == "4/4"
+    assert seen == [(True, True, seen[0][2])] and seen[0][2] > 20
+    assert report["precision"] == "float32, native"

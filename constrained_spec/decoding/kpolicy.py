@@ -28,11 +28,12 @@ PRIOR_ALPHA = {"grammar": 0.85, "grammar+": 0.95, "copy": 0.6, "copy+": 0.85, "l
                "model": 0.6, "model+": 0.6}
 #: Prior cost of one extra verified token, as a fraction of a one-token forward (CPU, measured).
 PRIOR_C_VERIFY = 0.1
-#: Prior of the concave fit verify = t0 (1 + r log2(1 + K)): r = 0.25 here (31 ms for one new
-#: token, 66 ms for 21 on the 2-core CPU); recent requests' fits replace it (``_RECENT_CURVE``).
+#: Default prior of the concave fit verify = t0 (1 + r log2(1 + K)) where no profile gives one
+#: (``profiles.verify_cost_prior``); recent requests' fits on the same model and precision
+#: replace it (``_RECENT_CURVE``, keyed by ``AdaptiveK.cost_key``).
 PRIOR_R_CURVE = 0.25
 _RECENT_ALPHA: dict[str, float] = {}
-_RECENT_CURVE: list[float] = []
+_RECENT_CURVE: dict[str, float] = {}
 
 
 def alpha_keys(kinds: Sequence[str]) -> list[str]:
@@ -158,11 +159,17 @@ class AdaptiveK:
             requests, so that a seeded sampled request draws the same output every time (the
             verifier's random draws depend on how many tokens each step verifies). The cost
             model then stays at its prior. Used whenever ``seed`` is given with temperature > 0.
+        cost_prior: the verify-cost curve's r before any timing (``profiles.verify_cost_prior``).
+        cost_key: which model and precision the timings come from; recent fits seed only
+            requests with the same key (a native forward's cost grows twice as fast with K as
+            a float32 one's).
     """
 
     k_max: int
     costly_draft: bool = False
     deterministic: bool = False
+    cost_prior: float = PRIOR_R_CURVE
+    cost_key: str = ""
     decay: float = 0.9
     prior_weight: float = 4.0
     _succ: dict[str, float] = field(default_factory=dict)
@@ -177,8 +184,8 @@ class AdaptiveK:
         # Seed this request from what recent requests measured (a snapshot: this request's
         # own updates must not feed back into its prior).
         self._seed = dict(PRIOR_ALPHA) if self.deterministic else {**PRIOR_ALPHA, **_RECENT_ALPHA}
-        recent_r = None if self.deterministic or not _RECENT_CURVE else _RECENT_CURVE[-1]
-        self._curve = _CostFit(g=_concave, prior=PRIOR_R_CURVE if recent_r is None else recent_r)
+        recent_r = None if self.deterministic else _RECENT_CURVE.get(self.cost_key)
+        self._curve = _CostFit(g=_concave, prior=self.cost_prior if recent_r is None else recent_r)
 
     def alpha(self, kind: str) -> float:
         """Current acceptance estimate of a kind, seeded from recent requests or the prior."""
@@ -249,7 +256,7 @@ class AdaptiveK:
             self._cost.add(k, verify_seconds)
             self._curve.add(k, verify_seconds)
             if self._curve.n >= 4:
-                _RECENT_CURVE[:] = [self._curve.ratio()]
+                _RECENT_CURVE[self.cost_key] = self._curve.ratio()
         if k and self.costly_draft and draft_seconds > 0:
             per = draft_seconds / k
             self._draft_per_token = per if not self._draft_per_token else 0.8 * self._draft_per_token + 0.2 * per

@@ -17,7 +17,7 @@ from ..constraint import BACKENDS, DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS
 from ..drafters import DRAFTER_NAMES
 from ..errors import InvalidOptionError
 from .kpolicy import AdaptiveK, FixedK, KPolicy
-from .profiles import K_MAX_PROFILES, k_max_for
+from .profiles import K_MAX_PROFILES, k_max_for, verify_cost_prior
 
 DrafterName = Literal["none", "model", "lookup", "grammar", "hybrid", "auto"]
 
@@ -115,13 +115,16 @@ class SpecOptions:
             return profile, 0
         return profile, self.k_max if self.k_max is not None else profile_k
 
-    def k_policy(self, k_max: int) -> KPolicy:
-        """A fresh K policy for one request, capped at ``k_max`` (from ``resolve_k_max``)."""
+    def k_policy(self, k_max: int, *, profile: str = "cpu", precision: str = "float32", model: str = "") -> KPolicy:
+        """A fresh K policy for one request, capped at ``k_max`` (from ``resolve_k_max``); its
+        cost prior is the profile's for the model's ``precision``, and it learns from earlier
+        requests on the same ``model`` and precision."""
         if self.drafter == "none" or not self.adaptive:
             return FixedK(k_max)
         # A seeded sampled request must not depend on timings or on earlier requests.
         deterministic = self.seed is not None and self.temperature > 0
-        return AdaptiveK(k_max, costly_draft=self.drafter == "model", deterministic=deterministic)
+        return AdaptiveK(k_max, costly_draft=self.drafter == "model", deterministic=deterministic,
+                         cost_prior=verify_cost_prior(profile, precision), cost_key=f"{model}:{precision}")
 
 
 def _is_int(value: Any) -> bool:

@@ -98,10 +98,17 @@ class BucketedLinear(nn.Module):
 
 
 def invariant_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``LlamaRMSNorm.forward`` with the mean of squares taken in float64 (see the module docstring)."""
+    """``LlamaRMSNorm.forward`` with the mean of squares taken in float64 (see the module docstring);
+    prompt rows (``self.rows``) take the stock float32 mean, a tenth of a long prompt pass cheaper."""
     input_dtype = hidden_states.dtype
     x = hidden_states.to(torch.float32)
-    variance = (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32)
+    prompt, new = self.rows.split(x)
+    parts = []
+    if prompt.shape[-2]:
+        parts.append(prompt.pow(2).mean(-1, keepdim=True))
+    if new.shape[-2]:
+        parts.append((new.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32))
+    variance = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
     x = x * torch.rsqrt(variance + self.variance_epsilon)
     return self.weight * x.to(input_dtype)
 
@@ -169,6 +176,7 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
         bucket_linears = next(model.parameters()).device.type != "cpu"
     for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RMSNorm"):
+            module.rows = rows
             module.forward = types.MethodType(invariant_rms_norm, module)
         elif isinstance(module, Int4Linear):
             module.rows = rows

@@ -7,6 +7,7 @@ alike; figures are reported as ratios against target-only decoding measured in t
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ..api import generate_json
-from ..constraint import compile_constraint, load_schema, schema_to_regex
+from ..constraint import JsonSchema, compile_constraint, load_schema, schema_to_regex
 from ..decoding import DecodeStats
 from ..models import ModelHandle, resolve_model
+from ..models.loading import DEFAULT_MODEL_NAME
+from .quality import field_accuracy
 
 #: The extraction prompts shipped with the package (schemas inline), so an installed wheel runs them.
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "extraction.jsonl"
@@ -62,12 +65,25 @@ class ConfigFigures:
     step_seconds: float = 0.0
     identical: int = 0
     prompts: int = 0
+    fields_right: int = 0
+    fields_total: int = 0
     per_kind: dict[str, dict[str, int]] = field(default_factory=dict)
     outputs: list[Any] = field(default_factory=list)
     traces: list[DecodeStats] = field(default_factory=list)
 
-    def add(self, stats: DecodeStats, seconds: float, value: Any, baseline_value: Any) -> None:
+    def add_value(self, value: Any, baseline_value: Any, expected: dict[str, Any] | None) -> None:
+        """Count one output: equal to the baseline's? how many expected fields right?"""
+        self.prompts += 1
+        self.identical += value == baseline_value
+        if expected:
+            right, total = field_accuracy(value, expected)
+            self.fields_right += right
+            self.fields_total += total
+
+    def add(self, stats: DecodeStats, seconds: float, value: Any, baseline_value: Any,
+            expected: dict[str, Any] | None = None) -> None:
         """Fold one generation in."""
+        self.add_value(value, baseline_value, expected)
         self.seconds += seconds
         self.output_tokens += stats.output_tokens
         self.target_forwards += stats.target_forwards
@@ -77,8 +93,6 @@ class ConfigFigures:
         self.step_seconds += sum(stats.step_seconds)
         emitted = [b - a for a, b in zip([0, *stats.tokens_after_step], stats.tokens_after_step)]
         self.constraint_per_token += [c / n for c, n in zip(stats.constraint_step_seconds, emitted) if n]
-        self.prompts += 1
-        self.identical += value == baseline_value
         self.outputs.append(value)
         self.traces.append(stats)
         for kind, row in stats.per_kind.items():
@@ -112,6 +126,7 @@ class ConfigFigures:
             "constraint_ms_per_token_p99": _pct_ms(self.constraint_per_token, 0.99),
             "constraint_share_of_step": round(self.constraint_seconds / self.step_seconds, 4) if self.step_seconds else None,
             "identical_outputs": f"{self.identical}/{self.prompts}",
+            "field_accuracy": f"{self.fields_right}/{self.fields_total}" if self.fields_total else None,
         }
 
 
@@ -137,13 +152,51 @@ def load_prompts(path: Path | str = DEFAULT_PROMPTS, limit: int | None = None) -
     return items
 
 
-def _outlines_generator(handle: ModelHandle, regex: str) -> Any:
+#: A reference row: given the schema, the chat-formatted prompt text and its token ids, compile
+#: whatever it needs (outside the timing) and return the call to time, which returns text.
+Reference = Callable[[JsonSchema, str, list[int]], Callable[[], str]]
+
+
+def outlines_row(handle: ModelHandle, max_new_tokens: int) -> Reference:
     """outlines' own transformers generator over the very same regex (same language, same layout)."""
     import outlines
     from outlines.types import Regex
 
     model = outlines.from_transformers(handle.model, handle.tokenizer)
-    return outlines.Generator(model, Regex(regex))
+
+    def prepare(schema: JsonSchema, text: str, ids: list[int]) -> Callable[[], str]:
+        gen = outlines.Generator(model, Regex(schema_to_regex(schema.schema)))
+        gen(text, max_new_tokens=2, do_sample=False)  # compile its own index outside the timing
+        return lambda: gen(text, max_new_tokens=max_new_tokens, do_sample=False)
+
+    return prepare
+
+
+def llama_cpp_row(max_new_tokens: int) -> Reference | None:
+    """llama.cpp's own grammar path (llama-cpp-python) on the embedded GGUF as stored, with the
+    grammar llama.cpp builds from the JSON schema; None where llama-cpp-python is not installed.
+    The same prompt token ids; its prompt cache is reset before each call (no reuse)."""
+    try:
+        from llama_cpp import Llama, LlamaGrammar
+    except ImportError:
+        return None
+    from ..models.loading import DEFAULT_MODEL_FILE, _default_gguf_dir  # the embedded model only
+
+    llm = Llama(model_path=str(_default_gguf_dir() / DEFAULT_MODEL_FILE), n_ctx=4096, n_threads=os.cpu_count() or 1,
+                verbose=False)
+    llm([1, 2, 3], max_tokens=2, temperature=0.0)  # first-call allocations outside the timings
+
+    def prepare(schema: JsonSchema, text: str, ids: list[int]) -> Callable[[], str]:
+        grammar = LlamaGrammar.from_json_schema(json.dumps(schema.schema), verbose=False)
+
+        def call() -> str:
+            llm.reset()
+            out = llm(ids, grammar=grammar, max_tokens=max_new_tokens, temperature=0.0)
+            return out["choices"][0]["text"]
+
+        return call
+
+    return prepare
 
 
 def run_bench(
@@ -154,6 +207,7 @@ def run_bench(
     max_new_tokens: int = 256,
     profile: str | None = None,
     outlines_reference: bool = True,
+    llama_cpp: bool = True,
     limit: int | None = None,
     precisions: tuple[str, ...] | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -165,6 +219,11 @@ def run_bench(
     runs every configuration on each, interleaved prompt by prompt; speedups are against the
     first precision's target-only row, and "identical" compares each row with the target-only
     output of its own precision (greedy identity holds within a precision).
+
+    Reference rows, timed on the same prompts: outlines' transformers generator
+    (``outlines_reference``) and, for the embedded model where llama-cpp-python is installed,
+    llama.cpp's grammar path (``llama_cpp``). "field_accuracy" counts the extracted fields that
+    equal the prompt's ``expected`` values (``pipelines.quality``).
     """
     if precisions:
         from ..models import load_model
@@ -182,7 +241,14 @@ def run_bench(
         return config.name if len(labels) == 1 else f"{precision}: {config.name}"
 
     figures = {label(p, c): ConfigFigures(label(p, c)) for p in labels for c in configs}
-    ref = ConfigFigures("outlines + transformers (reference)") if outlines_reference else None
+    references: dict[str, tuple[Reference, ConfigFigures]] = {}
+    if outlines_reference:
+        name = "outlines + transformers (reference)"
+        references[name] = (outlines_row(handle, max_new_tokens), ConfigFigures(name))
+    llama = llama_cpp_row(max_new_tokens) if llama_cpp and handle.name.startswith(DEFAULT_MODEL_NAME) else None
+    if llama is not None:
+        name = "llama.cpp grammar, Q4_1 GGUF (reference)"
+        references[name] = (llama, ConfigFigures(name))
     # Warm up once (first-call allocations, thread pools) so no configuration pays for it.
     for h in handles.values():
         generate_json(h, {"type": "boolean"}, "Is water wet?", drafter="none", max_new_tokens=4)
@@ -202,36 +268,36 @@ def run_bench(
                                          max_new_tokens=max_new_tokens, return_stats=True)
             runs[label(precision, config)] = (stats, time.perf_counter() - t0, value)
             profile_used = stats.profile
+        expected = item.get("expected")
         for precision in labels:
             base_value = runs[label(precision, configs[0])][2]
             for config in configs:
-                figures[label(precision, config)].add(*runs[label(precision, config)], base_value)
+                figures[label(precision, config)].add(*runs[label(precision, config)], base_value, expected)
         base_value = runs[label(labels[0], configs[0])][2]
-        if ref is not None:
-            # The same language and layout as our constraint, as a regex for outlines.
-            gen = _outlines_generator(handle, schema_to_regex(schema.schema))
-            text = handle.tokenizer.apply_chat_template(
-                [{"role": "user", "content": item["prompt"]}], add_generation_prompt=True, tokenize=False)
-            gen(text, max_new_tokens=2, do_sample=False)  # compile its own index outside the timing
+        text = handle.tokenizer.apply_chat_template(
+            [{"role": "user", "content": item["prompt"]}], add_generation_prompt=True, tokenize=False)
+        ids = handle.tokenizer(text, add_special_tokens=False)["input_ids"]
+        for prepare, row in references.values():
+            call = prepare(schema, text, ids)
             t0 = time.perf_counter()
-            out = gen(text, max_new_tokens=max_new_tokens, do_sample=False)
-            ref.seconds += time.perf_counter() - t0
-            ref.output_tokens += len(handle.tokenizer(out, add_special_tokens=False)["input_ids"])
-            ref.prompts += 1
+            out = call()
+            row.seconds += time.perf_counter() - t0
+            row.output_tokens += len(handle.tokenizer(out, add_special_tokens=False)["input_ids"])
             try:
-                ref.identical += json.loads(out) == base_value
+                value = json.loads(out)
             except json.JSONDecodeError:
-                pass
+                value = None  # cut off at the token limit: counts as different and wrong
+            row.add_value(value, base_value, expected)
         if progress is not None:
             progress(i + 1, len(items))
     baseline = figures[label(labels[0], configs[0])]
     rows = [f.summary(baseline) for f in figures.values()]
-    if ref is not None:
-        rows.append(ref.summary(baseline))
+    rows += [row.summary(baseline) for _, row in references.values()]
     default = figures.get(label(labels[-1], configs[-1])) or list(figures.values())[-1]
     return {
         "model": handle.name if len(labels) == 1 else "SmolLM2-135M-Instruct",
         "dtype": ", ".join(labels),
+        "precision": ", ".join(labels),
         "profile": profile_used,
         "prompts": len(items),
         "max_new_tokens": max_new_tokens,
