@@ -22,10 +22,19 @@ def tiny_llama(vocab_size: int, seed: int, *, dtype: torch.dtype = torch.float64
 
 @pytest.fixture(scope="session")
 def smol():
-    """The embedded SmolLM2-135M-Instruct (weights cached as safetensors after the first load)."""
+    """The embedded SmolLM2-135M-Instruct at its default precision (native on the CPU; weights
+    cached after the first load)."""
     from constrained_spec import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def smol_float32():
+    """The embedded model with float32 weights (the dequantized GGUF)."""
+    from constrained_spec import load_model
+
+    return load_model(precision="float32")
 
 
 @pytest.fixture(scope="session")

@@ -71,11 +71,12 @@ def test_bad_precision_is_refused():
 
 
 @pytest.mark.slow
-def test_native_model_runs_the_stored_weights(smol):
+def test_native_model_runs_the_stored_weights(smol_float32):
     """Every linear layer of the embedded model is packed, in transformers' row order (a wrong q/k
     permutation would move whole rows), and the next-token choice agrees with float32 here."""
+    smol = smol_float32
     native = load_model(precision="native")
-    assert native is load_model(precision="native")
+    assert native is load_model(precision="native") and native is load_model()  # native is the CPU default
     layers = dict(native.model.named_modules())
     assert sum(isinstance(m, Int4Linear) for m in layers.values()) == 7 * native.model.config.num_hidden_layers
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj", "model.layers.29.mlp.down_proj"):
