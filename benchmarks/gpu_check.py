@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py
 
-bfloat16, SmolLM2-135M's shapes with random weights (see tests/test_invariance_gpu.py). Prints,
+bfloat16, SmolLM2-135M's shapes with random weights (see tests/test_invariance.py). Prints,
 for the default kernels (sdpa, cuBLAS) and for ``make_batch_invariant``: how far a k-token
 forward's hidden states and logits are from k one-token forwards, how many greedy argmaxes
 differ, whether greedy speculative decoding equals target-only decoding, and forward times.
@@ -21,7 +21,7 @@ from constrained_spec.constraint import compile_constraint
 from constrained_spec.decoding import FixedK, decode
 from constrained_spec.drafters import ModelDrafter
 from constrained_spec.models.invariant import make_batch_invariant
-from tests.test_invariance_gpu import PATTERNS, VOCAB, smol_shaped
+from tests.test_invariance import PATTERNS, VOCAB, smol_shaped
 
 
 @torch.no_grad()

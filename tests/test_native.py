@@ -185,3 +185,16 @@ def test_bench_runs_precisions_side_by_side(monkeypatch):
     assert rows["llama.cpp grammar, Q4_1 GGUF (reference)"]["field_accuracy"] == "4/4"
     assert seen == [(True, True, seen[0][2])] and seen[0][2] > 20
     assert report["precision"] == "float32, native"
+
+
+@pytest.mark.slow
+def test_bfloat16_load_is_batch_invariant(smol):
+    """A half-precision model is made invariant on load (its stock CPU kernels flipped greedy
+    tokens on 2 of 6 bench prompts): every linear layer row-bucketed, the lm_head included."""
+    from constrained_spec.models.invariant import BucketedLinear
+
+    bf16 = load_model(precision="bfloat16")
+    assert bf16.model.batch_invariant and bf16.precision == "bfloat16"
+    bucketed = [m for m in bf16.model.modules() if isinstance(m, BucketedLinear)]
+    assert len(bucketed) == 7 * bf16.model.config.num_hidden_layers + 1
+    assert bf16.model.get_output_embeddings().weight.dtype == torch.bfloat16

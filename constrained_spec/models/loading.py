@@ -148,13 +148,11 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None) ->
 def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
     """float32 on the CPU, bfloat16 (or float16) on a GPU.
 
-    On CPUs with AMX / AVX512-BF16, bfloat16 makes verifying a draft nearly free (a forward
-    over 8 new tokens costs ~1.1x a one-token forward, against ~2x in float32, measured with
-    SmolLM2-135M) and speculation about 2.6x faster than target-only instead of ~1.9x. It is
-    not the default because bf16 rounding differs between a one-token and a multi-token
-    forward, so near-ties can flip and greedy speculative output may differ from target-only
-    output token for token (seen once in our tests: same JSON, another tokenization). Ask for
-    it with ``dtype="bfloat16"`` (``--dtype bfloat16``).
+    A bfloat16 model is made batch-invariant on load (its stock kernels round a row differently
+    for another row count, which flipped greedy tokens on 2 of 6 bench prompts on the CPU).
+    On the CPU that costs: every forward computes at least 32 rows in its linear layers and
+    attention runs in float64, so a one-token forward takes ~80 ms against ~40 ms stock and
+    ~34 ms at native precision; the embedded model's default there is native.
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
@@ -232,16 +230,31 @@ def load_model(
         if device is not None:
             model = model.to(device)
         model.eval()
-        if next(model.parameters()).device.type == "cuda":
-            # cuBLAS and sdpa round a row differently for another row count: with them, greedy
-            # speculative output equalled target-only on 1 of 8 requests (benchmarks/gpu_check.py).
-            from .invariant import make_batch_invariant
-
-            make_batch_invariant(model)
+        weights = next(model.parameters())
+        if weights.device.type == "cuda" or weights.dtype in (torch.bfloat16, torch.float16):
+            # Half-precision kernels round a row differently for another row count: greedy
+            # speculative output equalled target-only on 1 of 8 requests on an H200
+            # (benchmarks/gpu_check.py) and on 4 of 6 bench prompts in CPU bfloat16.
+            _make_invariant(model)
         handle = ModelHandle(model, tokenizer, _name or str(name_or_path))
     warm_up(handle)
     _LOADED[key] = handle
     return handle
+
+
+def _make_invariant(model: Any) -> None:
+    """Batch-invariant forwards with row-bucketed linear layers (``models.invariant``); a model
+    whose attention cannot be swapped keeps its kernels, with a warning that greedy speculative
+    output may then differ from target-only output in rare near-ties."""
+    import warnings
+
+    from .invariant import make_batch_invariant
+
+    try:
+        make_batch_invariant(model, bucket_linears=True)
+    except (ValueError, AttributeError, TypeError) as e:
+        warnings.warn(f"{type(model).__name__} could not be made batch-invariant ({e}); greedy speculative "
+                      "output may differ from target-only output where two tokens nearly tie.", stacklevel=3)
 
 
 @torch.no_grad()

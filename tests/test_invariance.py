@@ -1,4 +1,5 @@
-"""Batch invariance on a GPU (skipped where there is none): bfloat16, SmolLM2-135M's shapes.
+"""Batch invariance in bfloat16 (row-bucketed linear layers), SmolLM2-135M's shapes: on the CPU
+with 4 layers, and on a GPU with all 30 (those tests are skipped where there is none).
 
 The weights are random (the embedded model's do not fit the device machine's transfer limit);
 invariance is a property of the kernels and shapes, not of the weight values. Random weights
@@ -16,7 +17,8 @@ from constrained_spec.decoding import FixedK, decode
 from constrained_spec.drafters import ModelDrafter
 from constrained_spec.models.invariant import ROW_BUCKET, BucketedLinear, RowSplit, make_batch_invariant
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 
 EOS = 0
 #: Byte b is token b + 1; a few multi-byte tokens so tokenizations differ.
@@ -26,8 +28,8 @@ PATTERNS = [r'\{"name": "[a-z ]{3,24}", "age": [0-9]{1,3}, "tags": \["[a-z]{1,8}
             r"[0-9]{4}-[0-9]{2}-[0-9]{2}( [a-z]{2,10}){1,8}"]
 
 
-def smol_shaped(vocab_size: int, seed: int, layers: int = 30, init: float = 0.02):
-    """A random Llama with SmolLM2-135M's widths (576 hidden, 9 query / 3 key heads, 1536 MLP)."""
+def smol_shaped(vocab_size: int, seed: int, layers: int = 30, init: float = 0.02, device: str = "cuda"):
+    """A random bfloat16 Llama with SmolLM2-135M's widths (576 hidden, 9 query / 3 key heads, 1536 MLP)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -35,33 +37,36 @@ def smol_shaped(vocab_size: int, seed: int, layers: int = 30, init: float = 0.02
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                       rope_theta=100000.0, rms_norm_eps=1e-5, initializer_range=init, tie_word_embeddings=True,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    return LlamaForCausalLM(cfg).to(device, torch.bfloat16).eval()
 
 
-def test_bucketed_linear_rows_are_bit_identical_whatever_the_batch():
-    linear = torch.nn.Linear(576, 1536, bias=False).to("cuda", torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bucketed_linear_rows_are_bit_identical_whatever_the_batch(device):
+    linear = torch.nn.Linear(576, 1536, bias=False).to(device, torch.bfloat16)
     layer = BucketedLinear(linear, RowSplit())
-    x = torch.randn(2 * ROW_BUCKET + 5, 576, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2 * ROW_BUCKET + 5, 576, device=device, dtype=torch.bfloat16)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     for m in (2, 7, ROW_BUCKET, ROW_BUCKET + 1, x.shape[0]):
         assert torch.equal(layer(x[:m]), alone[:m]), m
     assert (layer(x) - linear(x)).abs().max() <= 2 ** -6 * linear(x).abs().max()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @torch.no_grad()
-def test_gpu_forward_is_batch_invariant():
+def test_forward_is_batch_invariant(device):
     """Hidden states before the output projection, and the logits: a k-token pass equals k
     one-token passes bit for bit (k = 1..24), in the first pass (with the prompt) and later ones."""
     from transformers import DynamicCache
 
-    model = make_batch_invariant(smol_shaped(512, seed=0))
+    layers = 30 if device == "cuda" else 4
+    model = make_batch_invariant(smol_shaped(512, seed=0, layers=layers, device=device), bucket_linears=True)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 512, (60,), generator=g).tolist()
     out = torch.randint(1, 512, (24,), generator=g).tolist()
     n = len(prompt) - 1
 
     def run(cache, ids, prompt_rows=0):
-        o = model(input_ids=torch.tensor([ids], device="cuda"), cache=cache, use_cache=True,
+        o = model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True,
                   prompt_rows=prompt_rows, output_hidden_states=True, logits_to_keep=len(ids) - prompt_rows)
         return o.hidden_states[-1][0, prompt_rows:], o.logits[0]
 
@@ -83,6 +88,7 @@ def test_gpu_forward_is_batch_invariant():
         assert torch.equal(h, ref_h[1 : k + 1]) and torch.equal(lg, ref_l[1 : k + 1]), f"later pass, k={k}"
 
 
+@GPU
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_gpu_greedy_speculative_equals_target_only(pattern):
     """Through the decoder, bfloat16 on the GPU: a random draft model's K-token proposals force
