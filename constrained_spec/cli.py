@@ -418,6 +418,7 @@ def bench_cmd(
         table = Table(title=f"{report['model']} ({report['precision']}): {report['prompts']} extraction prompts, greedy, "
                             f"profile {report['profile']}")
         cols = {"config": "config", "tokens_per_second": "tok/s", "speedup_vs_target_only": "speedup",
+                "prompt_pass_ms_mean": "prompt ms",
                 "target_forwards_per_token": "fwd/token", "acceptance_by_kind": "accepted by kind",
                 "constraint_ms_per_token_p50": "constraint ms/tok p50", "constraint_ms_per_token_p99": "p99",
                 "constraint_share_of_step": "share", "identical_outputs": "identical",

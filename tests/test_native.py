@@ -61,6 +61,23 @@ def test_rows_are_bit_identical_whatever_the_batch():
     assert torch.equal(layer(x.reshape(4, 6, k)).reshape(24, n), alone)
 
 
+def test_fused_layers_equal_the_separate_ones_bit_for_bit():
+    from constrained_spec.models.int4 import FusedInt4, Int4Part
+
+    layers = [Int4Linear.from_q4_1(random_q4_1(n, 128, seed=s), (n, 128)) for s, n in enumerate((128, 64, 64))]
+    fused = FusedInt4(layers)
+    parts = [Int4Part(fused, i) for i in range(3)]
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
+    assert all(torch.equal(p(x), m(x)) for p, m in zip(parts, layers))
+    y = x.clone()
+    assert torch.equal(parts[0](y), layers[0](y))
+    y.mul_(2)  # an in-place change is a new input
+    assert torch.equal(parts[1](y), layers[1](y)) and torch.equal(parts[2](y), layers[2](y))
+    # Packed rows interleave in blocks of 64: 32-row layers would mix weights, so they are refused.
+    with pytest.raises(ValueError, match="multiple"):
+        FusedInt4([Int4Linear.from_q4_1(random_q4_1(n, 128), (n, 128)) for n in (64, 32, 32)])
+
+
 def test_bad_precision_is_refused():
     with pytest.raises(ModelLoadError, match="Invalid precision"):
         load_model(precision="int3")
@@ -78,7 +95,10 @@ def test_native_model_runs_the_stored_weights(smol_float32):
     native = load_model(precision="native")
     assert native is load_model(precision="native") and native is load_model()  # native is the CPU default
     layers = dict(native.model.named_modules())
-    assert sum(isinstance(m, Int4Linear) for m in layers.values()) == 7 * native.model.config.num_hidden_layers
+    # q/k/v and gate/up run fused: 4 kernels per block, 7 layers' weights
+    n = native.model.config.num_hidden_layers
+    kernels = [m for m in layers.values() if isinstance(m, Int4Linear)]
+    assert len(kernels) == 4 * n and sum(m.out_features for m in kernels) == n * (576 * 3 + 192 * 2 + 1536 * 2)
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj", "model.layers.29.mlp.down_proj"):
         w32 = smol.model.get_submodule(name).weight.detach()
         got = layers[name](torch.eye(w32.shape[1])).T

@@ -15,6 +15,8 @@ it is computed alone or among any number of rows (tested): what batch-invariant 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from torch import nn
@@ -79,3 +81,62 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 (int4 kernel)"
+
+
+#: torch's CPU int4 packing interleaves output rows in blocks of 64 (measured: packed tensors of
+#: 64-row multiples concatenate into the packing of the concatenation; 32-row ones do not).
+PACK_BLOCK_N = 64
+
+
+class FusedInt4:
+    """Several ``Int4Linear`` layers that read the same input, run as one kernel call (weights
+    concatenated along the output rows): q/k/v and gate/up of a llama layer. Each layer is
+    replaced by an ``Int4Part``; the first part called with an input computes every part's
+    output, the others take theirs. Outputs equal the separate layers' bit for bit (the kernel
+    computes each output element alone); one call instead of three saves ~55 us per layer."""
+
+    def __init__(self, layers: list[Int4Linear]) -> None:
+        if not self.can_fuse(layers):
+            raise ValueError(f"Cannot fuse int4 layers of {[m.out_features for m in layers]} rows: the packed "
+                             f"layout holds whole blocks of {PACK_BLOCK_N} rows, so each must have a multiple of it.")
+        self.layer = Int4Linear(torch.cat([m.packed for m in layers]),
+                                torch.cat([m.scales_and_zeros for m in layers], dim=1),
+                                in_features=layers[0].in_features, out_features=sum(m.out_features for m in layers))
+        self.sizes = [m.out_features for m in layers]
+        self._local = threading.local()  # forwards in two threads must not read each other's outputs
+
+    @staticmethod
+    def can_fuse(layers: list[Int4Linear]) -> bool:
+        """Whether the layers' packed weights concatenate into a valid packing (same input width,
+        each a multiple of ``PACK_BLOCK_N`` output rows)."""
+        return len({m.in_features for m in layers}) == 1 and all(m.out_features % PACK_BLOCK_N == 0 for m in layers)
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Output ``index`` for input ``x`` (computed once per input; an in-place change of
+        ``x`` counts as a new input)."""
+        held = getattr(self._local, "held", None)
+        if held is None or held[0] is not x or held[1] != x._version:
+            held = self._local.held = (x, x._version, self.layer(x).split(self.sizes, dim=-1))
+        if index == len(self.sizes) - 1:
+            self._local.held = None  # the last part read: hold nothing between forwards
+        return held[2][index]
+
+
+class Int4Part(nn.Module):
+    """One layer's share of a ``FusedInt4`` (see there)."""
+
+    def __init__(self, fused: FusedInt4, index: int) -> None:
+        super().__init__()
+        self.fused = fused
+        self.index = index
+        self.in_features = fused.layer.in_features
+        self.out_features = fused.sizes[index]
+        if index == 0:
+            self.kernel = fused.layer  # registered once, so the weights show up in the module tree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., K]`` -> this part's ``[..., N]``."""
+        return self.fused.part(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of a fused q4_1 layer, out_features={self.out_features}"

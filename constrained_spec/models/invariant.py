@@ -34,8 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .int4 import Int4Linear
-
 IMPLEMENTATION = "constrained_spec_invariant"
 #: Rows per matmul call of a ``BucketedLinear``: a verify pass holds the last token and at most
 #: K_max drafts (12 on GPUs), so one block serves every step.
@@ -163,8 +161,7 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
     """Install the invariant RMSNorm and attention in a llama-family model (in place) and mark it
     ``model.batch_invariant = True``; the decoder then tells it which rows are prompt rows. On a
     GPU (or with ``bucket_linears=True``) its ``nn.Linear`` layers become ``BucketedLinear`` (the
-    lm_head included); ``Int4Linear`` layers get the model's ``RowSplit`` (they send long prompt
-    blocks another way)."""
+    lm_head included); ``Int4Linear`` layers are invariant as they are."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -178,8 +175,6 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
         if type(module).__name__.endswith("RMSNorm"):
             module.rows = rows
             module.forward = types.MethodType(invariant_rms_norm, module)
-        elif isinstance(module, Int4Linear):
-            module.rows = rows
         elif bucket_linears and type(module) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, BucketedLinear(module, rows))

@@ -114,7 +114,7 @@ _LOADED: dict[tuple[str, str, str], ModelHandle] = {}
 def _load_native(name_or_path: str | None, device: str | torch.device | None) -> ModelHandle:
     """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached)."""
     from .invariant import make_batch_invariant
-    from .native import install_int4, load_int4, q4_1_linears, save_int4
+    from .native import fuse_projections, install_int4, load_int4, q4_1_linears, save_int4
 
     if name_or_path is not None:
         raise ModelLoadError("Invalid precision: 'native' is available for the embedded GGUF model only "
@@ -137,7 +137,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None) ->
         tmp = packed.with_suffix(f".{os.getpid()}.tmp")
         save_int4(linears, tmp)
         os.replace(tmp, packed)
-    install_int4(model, linears)
+    fuse_projections(install_int4(model, linears))
     make_batch_invariant(model)
     handle = ModelHandle(model, tokenizer, DEFAULT_MODEL_NAME + " (native Q4_1)", native_precision="native")
     warm_up(handle)

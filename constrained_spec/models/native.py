@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from .int4 import Int4Linear
+from .int4 import FusedInt4, Int4Linear, Int4Part
 
 #: GGUF tensor name (within ``blk.N.``) -> the transformers module (within ``model.layers.N.``).
 GGUF_LINEARS = {
@@ -66,6 +66,24 @@ def install_int4(model: Any, linears: dict[str, Int4Linear]) -> Any:
             raise ModelLoadError(f"Native precision: {name} is {tuple(old.weight.shape)} in the model, "
                                  f"({module.out_features}, {module.in_features}) in the GGUF.")
         setattr(parent, child, module)
+    return model
+
+
+#: Layers of one llama block that read the same input, run as one kernel call each group.
+FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def fuse_projections(model: Any) -> Any:
+    """Run each block's q/k/v and gate/up ``Int4Linear`` layers as one call (``FusedInt4``), in place."""
+    for block in model.model.layers:
+        for parent_name, names in FUSED_GROUPS:
+            parent = getattr(block, parent_name)
+            layers = [getattr(parent, n) for n in names]
+            if not all(isinstance(m, Int4Linear) for m in layers) or not FusedInt4.can_fuse(layers):
+                continue
+            fused = FusedInt4(layers)
+            for i, n in enumerate(names):
+                setattr(parent, n, Int4Part(fused, i))
     return model
 
 

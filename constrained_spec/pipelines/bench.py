@@ -67,6 +67,8 @@ class ConfigFigures:
     prompts: int = 0
     fields_right: int = 0
     fields_total: int = 0
+    #: Seconds of the passes that carried the prompts (the first step of each request).
+    prompt_seconds: float = 0.0
     per_kind: dict[str, dict[str, int]] = field(default_factory=dict)
     outputs: list[Any] = field(default_factory=list)
     traces: list[DecodeStats] = field(default_factory=list)
@@ -85,6 +87,7 @@ class ConfigFigures:
         """Fold one generation in."""
         self.add_value(value, baseline_value, expected)
         self.seconds += seconds
+        self.prompt_seconds += stats.prefill_seconds
         self.output_tokens += stats.output_tokens
         self.target_forwards += stats.target_forwards
         self.drafted += stats.drafted
@@ -113,6 +116,8 @@ class ConfigFigures:
             "config": self.name,
             "output_tokens": self.output_tokens,
             "seconds": round(self.seconds, 3),
+            "prompt_pass_ms_mean": round(1000 * self.prompt_seconds / self.prompts, 1)
+            if self.prompt_seconds and self.prompts else None,
             "tokens_per_second": round(tps, 2),
             "speedup_vs_target_only": round(tps / baseline.tokens_per_second, 3) if baseline.tokens_per_second else None,
             "target_forwards_per_token": round(self.target_forwards / self.output_tokens, 3) if self.target_forwards else None,
