@@ -164,10 +164,10 @@ def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
 #: as stored, on the int4 kernel; see ``models.native``).
 PRECISIONS = ("float32", "bfloat16", "native")
 #: The embedded model's precision on the CPU when none is asked for. Measured side by side
-#: (``constrained-spec bench --precision float32,native``): native decodes 1.75-1.8x faster
+#: (``constrained-spec bench --precision float32,native``): native decodes 1.75-1.85x faster
 #: target-only and 1.35-1.55x faster speculative, with the same greedy outputs within each
 #: precision (batch-invariant by construction), the same extracted values as float32 on the
-#: bench prompts, and a 600 instead of 927 MiB peak RSS; its cached load is ~2 s slower.
+#: bench prompts, a 631 instead of 928 MiB peak RSS, and a cached load as fast.
 DEFAULT_PRECISION = "native"
 
 
