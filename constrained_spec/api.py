@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from .constraint import CompiledConstraint, JsonSchema, compile_constraint, load_schema
-from .decoding import DecodeStats, SpecOptions, SpeculativeDecoder
-from .drafters import build_drafter
+from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
+from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder
+from .drafters import Drafter, build_drafter
 from .errors import InvalidPromptError, InvalidRegexError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
 
@@ -71,15 +72,24 @@ class TextStream:
         self.value = self._finish(text)
 
 
-def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], CompiledConstraint], prompt: str,
-           opts: SpecOptions, task: str) -> tuple[ModelHandle, SpeculativeDecoder]:
-    """Resolve the models, compile, encode the prompt and build the decoder: every check before any forward."""
-    handle = resolve_model(model)
-    draft_handle = None
-    if draft is not None and opts.drafter_kind in ("model", "hybrid"):
-        draft_handle = resolve_model(draft, role="draft")
-        check_same_tokenizer(handle, draft_handle)
-    matcher = compile_for(handle).matcher()
+@dataclass
+class RequestParts:
+    """What one request decodes with, built from the options (the single-request path and the
+    batch engine take the same parts): the prompt's ids, a fresh matcher, the drafter walking
+    it, the K policy, and the hardware profile it was chosen for."""
+
+    prompt_ids: list[int]
+    matcher: Matcher
+    drafter: Drafter | None
+    k_policy: KPolicy
+    profile: str
+
+
+def prepare_request(handle: ModelHandle, draft_handle: ModelHandle | None, compiled: CompiledConstraint,
+                    prompt: str, opts: SpecOptions, task: str) -> RequestParts:
+    """Encode the prompt and build the request's matcher, drafter and K policy (every check
+    that can fail before a forward)."""
+    matcher = compiled.matcher()
     prompt_ids = encode_prompt(handle, prompt)
     # Raises InvalidOptionError for drafter="model" without a draft model (still before any forward).
     drafter = build_drafter(opts.drafter_kind, matcher, handle.tokenizer,
@@ -87,9 +97,27 @@ def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], Compiled
                             temperature=opts.temperature, source_text=prompt)
     profile, k_max = opts.resolve_k_max(task)
     policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name)
-    dec = SpeculativeDecoder(handle.model, matcher, prompt_ids, drafter=drafter, k_policy=policy,
-                             temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens)
-    dec.stats.profile = profile
+    return RequestParts(prompt_ids, matcher, drafter, policy, profile)
+
+
+def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> ModelHandle | None:
+    """The draft model's handle when the drafter uses one, checked against the target's tokenizer."""
+    if draft is None or opts.drafter_kind not in ("model", "hybrid"):
+        return None
+    draft_handle = resolve_model(draft, role="draft")
+    check_same_tokenizer(handle, draft_handle)
+    return draft_handle
+
+
+def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], CompiledConstraint], prompt: str,
+           opts: SpecOptions, task: str) -> tuple[ModelHandle, SpeculativeDecoder]:
+    """Resolve the models, compile, encode the prompt and build the decoder: every check before any forward."""
+    handle = resolve_model(model)
+    parts = prepare_request(handle, resolve_draft(draft, handle, opts), compile_for(handle), prompt, opts, task)
+    dec = SpeculativeDecoder(handle.model, parts.matcher, parts.prompt_ids, drafter=parts.drafter,
+                             k_policy=parts.k_policy, temperature=opts.temperature, seed=opts.seed,
+                             max_new_tokens=opts.max_new_tokens)
+    dec.stats.profile = parts.profile
     return handle, dec
 
 

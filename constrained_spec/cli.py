@@ -257,7 +257,7 @@ def extract_cmd(
     output: Path = typer.Option(..., "--output", "-o", help="JSONL to write: {id, value, stats} or {id, error: {kind, message}} per line."),
     resume: bool = typer.Option(False, "--resume", help="Skip ids already in the output file and append the rest."),
     prompt_template: Optional[Path] = typer.Option(None, "--prompt-template", help="File with a template using {text}, {fields}, {schema}."),
-    batch_size: int = typer.Option(1, "--batch-size", help="Documents decoded together; above 8, target-only batched decoding replaces speculation."),
+    batch_size: int = typer.Option(1, "--batch-size", help="Documents decoded together in the batch engine (one forward per step for all, each speculating); 1: one by one."),
     model: Optional[str] = ModelOpt,
     draft: Optional[str] = DraftOpt,
     drafter: str = DrafterOpt,

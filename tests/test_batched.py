@@ -1,4 +1,5 @@
-"""The batched target-only path gives the same greedy outputs as the per-document path."""
+"""The batch engine's target-only rows and extract's batched path give the same greedy outputs as
+the per-document path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from constrained_spec import ModelHandle
 from constrained_spec.constraint import compile_constraint, load_schema
 from constrained_spec.decoding import decode
-from constrained_spec.decoding.batched import decode_batch
+from constrained_spec.decoding import BatchEngine
 from constrained_spec.pipelines.extract import extract
 from tests.conftest import tiny_llama
 
@@ -23,11 +24,13 @@ def test_batch_equals_per_document(smol):
     target = tiny_llama(49152 + 64, seed=41, init=0.3)
     prompts = [smol.tokenizer(t)["input_ids"] for t in TEXTS]
     assert len({len(p) for p in prompts}) > 1  # left padding is exercised
-    batch = decode_batch(target, [constraint.matcher() for _ in prompts], prompts, max_new_tokens=40)
-    for p, res in zip(prompts, batch):
+    engine = BatchEngine(target, max_batch=len(prompts))
+    batch = [engine.submit(p, constraint.matcher(), max_new_tokens=40) for p in prompts]
+    list(engine.run())
+    for p, req in zip(prompts, batch):
         alone = decode(target, constraint.matcher(), p, max_new_tokens=40)
-        assert res.tokens == alone.tokens
-        assert res.finished == alone.finished
+        assert req.result.tokens == alone.tokens
+        assert req.result.finished == alone.finished
 
 
 def test_extract_batched_equals_per_document(smol):
@@ -36,7 +39,7 @@ def test_extract_batched_equals_per_document(smol):
               "required": ["ok", "c"]}
     docs = [{"id": f"d{i}", "text": TEXTS[i % 4] + " #" + str(i)} for i in range(10)]
     one = [r.to_record() for r in extract(schema, docs, model=handle, drafter="none", max_new_tokens=24)]
-    many = [r.to_record() for r in extract(schema, docs, model=handle, batch_size=10, max_new_tokens=24)]
+    many = [r.to_record() for r in extract(schema, docs, model=handle, batch_size=4, max_new_tokens=24)]
     strip = lambda recs: [json.dumps({k: v for k, v in r.items() if k != "stats"}, sort_keys=True) for r in recs]  # noqa: E731
     assert strip(one) == strip(many)
     assert any("value" in r for r in many)

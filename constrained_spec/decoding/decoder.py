@@ -7,6 +7,7 @@ path share every line that could make them differ.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -18,6 +19,22 @@ from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError, Model
 from .kpolicy import FixedK, KPolicy
 from .stats import DecodeResult, DecodeStats
 from .verifier import masked_probs, verify_greedy, verify_sampled
+
+
+@dataclass
+class StepPlan:
+    """What one step feeds the target: ``tokens`` (the pending prompt, the last token, the
+    draft), the positions that need logits (``rows``, each >= ``first``, the number of prompt
+    tokens in front), the draft and the masks along its path; timestamps for the stats."""
+
+    tokens: list[int]
+    rows: list[int]
+    first: int
+    draft: Draft
+    masks: list[torch.Tensor]
+    t0: float
+    t1: float
+    tc: float
 
 
 class SpeculativeDecoder:
@@ -136,9 +153,9 @@ class SpeculativeDecoder:
             self.drafter.reset(self.prompt_ids)
         self._pending = self.prompt_ids[:-1]
 
-    def step(self) -> list[int]:
-        """One speculative step; returns the tokens it emitted (EOS excluded) and updates all state."""
-        st = self.stats
+    def plan(self) -> StepPlan:
+        """Steps 1-3 of a step: choose K, draft, and the masks along the draft path. Returns what
+        the target must see (``tokens``) and which of its positions need logits (``rows``)."""
         # 1. Choose K; a step emits at most K + 1 tokens, so stay within max_new_tokens.
         room = self.max_new_tokens - len(self.output)
         k = max(0, min(self.k_policy.next_k(), room - 1))
@@ -152,7 +169,6 @@ class SpeculativeDecoder:
         else:
             draft = Draft([], [self.state])
         t1 = time.perf_counter()
-        k = len(draft.tokens)
         # 3. Masks along the draft path (s_0..s_k). A state that allows a single token has a
         # one-hot masked law whatever the logits say, so its row is not computed (zeros, masked).
         masks = [self.matcher.allowed_mask(s) for s in draft.states]
@@ -162,13 +178,19 @@ class SpeculativeDecoder:
         pending, self._pending = self._pending, []
         first = len(pending)
         rows = [first + i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
-        tc = time.perf_counter()
-        # 4. Verify: one target forward over [last, x_1..x_k] (after the prompt, in the first
-        # step) -> logits for k + 1 positions, masked.
-        logits = self._forward([*pending, self.last, *draft.tokens], rows, first)  # [k+1, V]
+        return StepPlan([*pending, self.last, *draft.tokens], rows, first, draft, masks, t0, t1, time.perf_counter())
+
+    def finish(self, plan: StepPlan, logits: torch.Tensor, forward_seconds: float) -> tuple[list[int], int]:
+        """Steps 4-6 given the target's logits for positions ``plan.first..`` (``[k+1, V]``, rows
+        not in ``plan.rows`` zero): verify, commit, book-keep. Returns the emitted tokens (EOS
+        excluded) and how many fed positions the caller must drop from the KV cache (the
+        rejected drafts)."""
+        st = self.stats
+        draft, masks, first = plan.draft, plan.masks, plan.first
+        k = len(draft.tokens)
         t2 = time.perf_counter()
-        if pending:
-            st.prefill_seconds = t2 - tc
+        if first:
+            st.prefill_seconds = forward_seconds
         for i, mask in enumerate(masks):
             apply_mask(logits[i], mask)
         t3 = time.perf_counter()
@@ -181,9 +203,6 @@ class SpeculativeDecoder:
         t4 = time.perf_counter()
         if draft.tokens and self.drafter is not None:
             self.drafter.update(draft, n, y)
-        # 5. Roll back: drop the k - n rejected positions from the cache; commit what was emitted.
-        if k > n:
-            self.cache.crop(-(k - n))
         t5 = time.perf_counter()
         emitted = draft.tokens[:n]
         if y == self.matcher.eos_token_id:
@@ -197,8 +216,8 @@ class SpeculativeDecoder:
             self.finished = True  # only EOS is left: target-only decoding would emit it with p = 1
         t6 = time.perf_counter()
         # 6. Book-keeping for the K policy and the stats.
-        self.k_policy.update(draft.token_kinds(), n, None if first else t2 - tc, t1 - t0)
-        constraint_s = (tc - t1) + (t3 - t2) + (t6 - t5)
+        self.k_policy.update(draft.token_kinds(), n, None if first else forward_seconds, plan.t1 - plan.t0)
+        constraint_s = (plan.tc - plan.t1) + (t3 - t2) + (t6 - t5)
         st.target_forwards += 1
         st.drafted += k
         st.accepted += n
@@ -210,30 +229,58 @@ class SpeculativeDecoder:
             st.count_kind("target", accepted=1)
         st.step_ends.append(t6 - self._started)
         st.tokens_after_step.append(len(self.output))
-        st.draft_seconds += t1 - t0
-        st.target_seconds += t2 - tc
+        st.draft_seconds += plan.t1 - plan.t0
+        st.target_seconds += forward_seconds
         st.verify_seconds += t4 - t3
         st.constraint_seconds += constraint_s
         st.constraint_step_seconds.append(constraint_s)
-        st.step_seconds.append(t6 - t0)
+        st.step_seconds.append(t6 - plan.t0)
+        return emitted, k - n
+
+    def step(self) -> list[int]:
+        """One speculative step; returns the tokens it emitted (EOS excluded) and updates all state."""
+        plan = self.plan()
+        # 4. Verify: one target forward over [last, x_1..x_k] (after the prompt, in the first
+        # step) -> logits for k + 1 positions, masked.
+        tc = time.perf_counter()
+        logits = self._forward(plan.tokens, plan.rows, plan.first)  # [k+1, V]
+        emitted, dropped = self.finish(plan, logits, time.perf_counter() - tc)
+        # 5. Roll back: drop the rejected positions from the cache.
+        if dropped:
+            self.cache.crop(-dropped)
         return emitted
 
-    def run(self) -> Iterator[list[int]]:
-        """Start, then yield each step's emitted tokens until final, EOS or the token limit."""
-        t0 = self._started = time.perf_counter()
+    @property
+    def done(self) -> bool:
+        """Whether decoding has stopped: EOS, only EOS left, or the token limit."""
+        return self.finished or len(self.output) >= self.max_new_tokens
+
+    def begin(self) -> None:
+        """Start the clock and queue the prompt (see ``start``); a request whose constraint
+        allows only EOS from the start is finished at once."""
+        self._started = time.perf_counter()
         self.start()
         if self.matcher.is_done(self.state):
             self.finished = True
-        while not self.finished and len(self.output) < self.max_new_tokens:
+
+    def close(self) -> None:
+        """Final book-keeping once ``done``: at the limit, a complete member of the language is a
+        valid result; the figures are filled in."""
+        if not self.finished and self.matcher.is_final(self.state):
+            self.finished = True
+        self.stats.output_tokens = len(self.output)
+        self.stats.finished = self.finished
+        self.stats.total_seconds = time.perf_counter() - self._started
+        self.stats.finish()
+
+    def run(self) -> Iterator[list[int]]:
+        """Start, then yield each step's emitted tokens until final, EOS or the token limit."""
+        self.begin()
+        while not self.done:
             emitted = self.step()
             if emitted:
                 yield emitted
-        if not self.finished and self.matcher.is_final(self.state):
-            self.finished = True  # at the limit, a complete member of the language is a valid result
-        self.stats.output_tokens = len(self.output)
-        self.stats.finished = self.finished
-        self.stats.total_seconds = time.perf_counter() - t0
-        self.stats.finish()
+        self.close()
 
 
 def decode(target: Any, matcher: Matcher, prompt_ids: list[int], **options: Any) -> DecodeResult:

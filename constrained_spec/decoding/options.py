@@ -45,10 +45,11 @@ class SpecOptions:
 
     Raises ``InvalidOptionError`` (a ``ValueError``) naming the option when a value is bad.
 
-    Policies from production practice and where they stand here: speculation is switched off for
-    batches above ``SPECULATION_MAX_BATCH`` (8) in ``extract``; it is *not* switched off for short
-    outputs, because measurement says it pays even there (the 34-token demo extraction: 1.65x),
-    and the adaptive policy drops to K = 0 on its own when drafts stop landing.
+    Policies from production practice and where they stand here: speculation is *not* switched
+    off in batches (the batch engine speculates per row; forced and copied drafts cost a few rows
+    of a forward that runs anyway) nor for short outputs, because measurement says it pays even
+    there (the 34-token demo extraction: 1.65x); the adaptive policy drops to K = 0 on its own
+    when drafts stop landing.
     """
 
     drafter: DrafterName = "auto"

@@ -10,13 +10,14 @@ import dataclasses
 import json
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from ..api import encode_prompt, generate_json, validate_json_output
+from ..api import generate_json, prepare_request, resolve_draft, validate_json_output
 from ..constraint import JsonSchema, compile_constraint, load_schema
-from ..decoding import SPECULATION_MAX_BATCH, SpecOptions, decode_batch
+from ..decoding import BatchEngine, Request, SpecOptions
 from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidSchemaError, TokenLimitError
 from ..models import resolve_model
 
@@ -125,10 +126,11 @@ def extract(
         documents: texts, ``{"id", "text"}`` records or ``(id, text)`` pairs.
         model, draft: as in ``generate_json``; loaded once for the whole run.
         prompt_template: ``str.format`` template with ``{text}``, ``{fields}``, ``{schema}``.
-        batch_size: documents decoded together. Up to ``SPECULATION_MAX_BATCH`` (8) each
-            document runs the speculative path alone; above it, the target-only masked path
-            runs batched (one forward per step for the whole batch, one matcher per row), and
-            the speculation options (drafter, k_max, adaptive, profile) are not used.
+        batch_size: documents decoded together. 1: each document alone (``generate_json``);
+            above 1, the batch engine (``decoding.engine``): one target forward per step for up
+            to ``batch_size`` documents, each speculating with its own drafter and K, a finished
+            document's slot taken at once by the next. Greedy records equal the one-by-one ones
+            with a batch-invariant model (native precision, the CPU default).
         options, option_values: a ``SpecOptions`` and keyword overrides, as in ``generate_json``;
             checked here, before any document, on both paths.
     """
@@ -144,8 +146,8 @@ def extract(
     schema_text = json.dumps(loaded.schema)
     prompts = ((doc_id, prompt_template.format(text=text, fields=fields, schema=schema_text))
                for doc_id, text in iter_documents(documents))
-    if batch_size > SPECULATION_MAX_BATCH:
-        yield from _extract_batched(loaded, prompts, handle, batch_size, opts)
+    if batch_size > 1:
+        yield from _extract_batched(loaded, prompts, handle, resolve_draft(draft, handle, opts), batch_size, opts)
         return
     for doc_id, prompt in prompts:
         try:
@@ -158,38 +160,57 @@ def extract(
         yield ExtractionResult(doc_id, value=value, stats=_brief(stats))
 
 
-def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, batch_size: int,
-                     opts: SpecOptions) -> Iterator[ExtractionResult]:
-    """Target-only batched decoding, ``batch_size`` documents per batch, one matcher per row."""
+def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, draft_handle: Any,
+                     batch_size: int, opts: SpecOptions) -> Iterator[ExtractionResult]:
+    """Every document through one ``BatchEngine``, ``batch_size`` rows at once; documents are
+    read as slots free up (at most ``batch_size`` wait), results come out in input order."""
     compiled = compile_constraint(loaded, handle.tokenizer, kind="json", backend=opts.backend,  # type: ignore[arg-type]
                                   lenient=opts.lenient, whitespace=opts.whitespace)
-    pending = list(prompts)
-    for start in range(0, len(pending), batch_size):
-        chunk = pending[start : start + batch_size]
-        encoded: list[tuple[str, list[int] | None, ExtractionResult | None]] = []
-        for doc_id, prompt in chunk:
+    engine = BatchEngine(handle.model, max_batch=batch_size)
+    order: deque[tuple[str, Request | ExtractionResult]] = deque()
+    documents = iter(prompts)
+    more = True
+    while True:
+        while more and len(engine.waiting) < batch_size:
+            item = next(documents, None)
+            if item is None:
+                more = False
+                break
+            doc_id, prompt = item
             try:
-                encoded.append((doc_id, encode_prompt(handle, prompt), None))
+                parts = prepare_request(handle, draft_handle, compiled, prompt, opts, "json")
             except ConstrainedSpecError as e:
-                encoded.append((doc_id, None, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
-        rows = [ids for _, ids, _ in encoded if ids is not None]
-        decoded = iter(decode_batch(handle.model, [compiled.matcher() for _ in rows], rows,
-                                    temperature=opts.temperature, seed=opts.seed,
-                                    max_new_tokens=opts.max_new_tokens) if rows else [])
-        for doc_id, ids, failed in encoded:
-            if failed is not None:
-                yield failed
+                order.append((doc_id, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
                 continue
-            res = next(decoded)
-            text = handle.tokenizer.decode(res.tokens, skip_special_tokens=False)
-            try:
-                if not res.finished:
-                    raise TokenLimitError(text, opts.max_new_tokens)
-                value = validate_json_output(text, loaded)
-            except ConstrainedSpecError as e:
-                yield ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
-                continue
-            yield ExtractionResult(doc_id, value=value, stats=_brief(res.stats))
+            req = engine.submit(parts.prompt_ids, parts.matcher, drafter=parts.drafter, k_policy=parts.k_policy,
+                                temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens)
+            req.decoder.stats.profile = parts.profile
+            order.append((doc_id, req))
+        while order and (isinstance(order[0][1], ExtractionResult) or order[0][1].done):
+            doc_id, item = order.popleft()
+            yield item if isinstance(item, ExtractionResult) else _engine_result(doc_id, item, handle, loaded, opts)
+        if not engine.busy:
+            if not more and not order:
+                return
+            continue
+        engine.step()
+
+
+def _engine_result(doc_id: str, req: Request, handle: Any, loaded: JsonSchema, opts: SpecOptions) -> ExtractionResult:
+    """A finished engine request as a validated record or an error record."""
+    if req.error is not None and not isinstance(req.error, ConstrainedSpecError):
+        raise req.error  # a bug, not a document's failure: do not hide it in a record
+    res = req.result
+    text = handle.tokenizer.decode(res.tokens, skip_special_tokens=False)
+    try:
+        if req.error is not None:
+            raise req.error
+        if not res.finished:
+            raise TokenLimitError(text, opts.max_new_tokens)
+        value = validate_json_output(text, loaded)
+    except ConstrainedSpecError as e:
+        return ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
+    return ExtractionResult(doc_id, value=value, stats=_brief(res.stats))
 
 
 def _brief(stats: Any) -> dict[str, Any]:

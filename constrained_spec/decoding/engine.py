@@ -1,0 +1,223 @@
+"""The batch engine: many constrained requests in one target forward per step, each speculating.
+
+Requests join and leave between steps: a finished row frees its slot at once and a waiting
+request takes it. Each row keeps its own matcher, drafter, K policy and rollback; a step plans
+every row (K, draft, masks: ``SpeculativeDecoder.plan``), runs one forward over all rows'
+``[last, drafts...]`` (right-padded, each row at its own positions, ``RowCache``), then lets each
+row verify and commit (``SpeculativeDecoder.finish``), so a row in the engine runs the very lines
+a single request runs. Target-only batched decoding is the same engine with K = 0.
+
+A request's first step (its prompt pass, with its first draft) runs alone through the
+single-request path, exactly as ``decode`` would run it, and its cache then moves into a slot:
+prompts differ in length by hundreds of tokens, so batching them with other rows' few new tokens
+would mostly add padding. With a batch-invariant model (native precision, GPUs; see
+``models.invariant``) each row's greedy tokens therefore equal that request's single-request
+tokens; in float64 they agree too (tested); a float32 model on the CPU rounds a batched row
+differently by ~1e-5, which can flip an exact near-tie.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..constraint import Matcher
+from ..drafters import Drafter
+from ..errors import InvalidOptionError
+from .decoder import SpeculativeDecoder, StepPlan
+from .kpolicy import KPolicy
+from .rowcache import RowCache
+from .stats import DecodeResult
+
+
+@dataclass(eq=False)
+class Request:
+    """One request in the engine: its decoder (tokens, matcher, stats), and how it ended.
+
+    ``on_tokens``, if given, is called with each step's emitted tokens (a per-row stream).
+    """
+
+    id: int
+    decoder: SpeculativeDecoder
+    on_tokens: Callable[[list[int]], None] | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    done: bool = False
+    slot: int | None = field(default=None, repr=False)
+
+    @property
+    def result(self) -> DecodeResult:
+        """Tokens, whether the constraint was satisfied, and the figures."""
+        d = self.decoder
+        return DecodeResult(d.output, d.finished, d.stats)
+
+
+class BatchEngine:
+    """Continuous batching with speculation inside the batch (see the module docstring).
+
+    Args:
+        target: a causal LM (transformers) whose attention takes a 4D boolean mask (sdpa or the
+            batch-invariant implementation; eager attention gets an additive mask).
+        max_batch: the most rows decoded at once; more requests wait for a free slot.
+    """
+
+    def __init__(self, target: Any, *, max_batch: int = 16) -> None:
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise InvalidOptionError(f"Invalid max_batch: expected an integer >= 1, got {max_batch!r}.")
+        self.target = target
+        self.max_batch = max_batch
+        self.device = next(target.parameters()).device
+        context = getattr(target.config, "max_position_embeddings", None) or 4096
+        self.cache = RowCache(target.config.num_hidden_layers, max_batch, context)
+        self.waiting: list[Request] = []
+        self.active: list[Request] = []  # active[i] lives in cache slot i
+        self._ids = itertools.count()
+        impl = getattr(target.config, "_attn_implementation", "sdpa")
+        self._additive_mask = impl == "eager"
+        #: Forwards run by the engine for batched steps (prompt passes are the requests' own).
+        self.batch_forwards = 0
+
+    def submit(self, prompt_ids: list[int], matcher: Matcher, *, drafter: Drafter | None = None,
+               k_policy: KPolicy | None = None, temperature: float = 0.0, seed: int | None = None,
+               max_new_tokens: int = 512, on_tokens: Callable[[list[int]], None] | None = None) -> Request:
+        """Queue a request (a fresh ``compiled.matcher()`` and, optionally, a drafter walking it;
+        options as in ``SpeculativeDecoder``, which checks them now). It joins at the next step
+        with a free slot."""
+        dec = SpeculativeDecoder(self.target, matcher, prompt_ids, drafter=drafter, k_policy=k_policy,
+                                 temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
+        req = Request(next(self._ids), dec, on_tokens)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request; its slot is freed at the next step (its tokens so far are kept)."""
+        request.cancelled = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+            self._close(request)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is waiting or decoding."""
+        return bool(self.waiting or self.active)
+
+    def run(self) -> Iterator[Request]:
+        """Step until every submitted request is done, yielding each as it finishes."""
+        while self.busy:
+            yield from self.step()
+
+    def step(self) -> list[Request]:
+        """Admit waiting requests into free slots (each runs its first step alone), run one
+        batched step over the active rows, retire finished rows. Returns the requests that
+        finished."""
+        finished: list[Request] = []
+        self._retire(finished)
+        while self.waiting and len(self.active) < self.max_batch:
+            self._admit(self.waiting.pop(0), finished)
+        if self.active:
+            self._batched_step()
+            self._retire(finished)
+        return finished
+
+    # -- internals ------------------------------------------------------------------------------
+    def _emit(self, req: Request, tokens: list[int]) -> None:
+        if tokens and req.on_tokens is not None:
+            req.on_tokens(tokens)
+
+    def _close(self, req: Request) -> None:
+        req.decoder.close()
+        req.done = True
+
+    def _admit(self, req: Request, finished: list[Request]) -> None:
+        """The request's first step, alone, through the single-request path; then into a slot."""
+        dec = req.decoder
+        try:
+            dec.begin()
+            if not dec.done:
+                self._emit(req, dec.step())
+        except Exception as e:  # one request's failure (a dead end, say) must not stop the others
+            req.error = e
+        if req.error is not None or dec.done or req.cancelled:
+            self._close(req)
+            finished.append(req)
+            return
+        req.slot = self.cache.add_row(dec.cache)
+        dec.cache = None  # type: ignore[assignment]  # the engine's cache holds its keys now
+        self.active.append(req)
+
+    def _retire(self, finished: list[Request]) -> None:
+        """Free the slots of rows that are done, failed or cancelled (highest slot first, so the
+        rows that move down are ones that stay)."""
+        for slot in range(len(self.active) - 1, -1, -1):
+            req = self.active[slot]
+            if not (req.decoder.done or req.error is not None or req.cancelled):
+                continue
+            moved = self.cache.remove_row(slot)
+            last = self.active.pop()
+            if moved is not None:
+                self.active[slot] = last
+                last.slot = slot
+            req.slot = None
+            self._close(req)
+            finished.append(req)
+
+    @torch.no_grad()
+    def _batched_step(self) -> None:
+        """Plan every row, one forward, then each row verifies, commits and rolls back."""
+        plans: list[StepPlan | None] = []
+        for req in self.active:
+            try:
+                plans.append(req.decoder.plan())
+            except Exception as e:
+                req.error = e
+                plans.append(None)
+        live = [(i, p) for i, p in enumerate(plans) if p is not None]
+        if not live:
+            return
+        b = len(self.active)
+        width = max(len(p.tokens) for _, p in live)
+        lengths = self.cache.lengths[:b].clone()
+        self.cache.reserve(int(lengths.max()) + width)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        for i, p in live:
+            ids[i, : len(p.tokens)] = torch.tensor(p.tokens)
+        positions = lengths[:, None] + torch.arange(width)
+        keys = torch.arange(int(lengths.max()) + width)
+        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, width, kv]: own past + causal
+        if self._additive_mask:
+            mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        needed = sorted({r for _, p in live for r in p.rows})
+        t0 = time.perf_counter()
+        self.cache.active = b
+        logits = None
+        if needed:
+            out = self.target(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+                              attention_mask=mask.to(self.device), cache=self.cache, use_cache=True,
+                              logits_to_keep=torch.tensor(needed, device=self.device))
+            logits = out.logits.float().cpu() if out.logits.dtype != torch.float64 else out.logits.cpu()
+        else:  # every row is in a single-token state: only the keys are needed
+            self.target.base_model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
+                                   attention_mask=mask.to(self.device), cache=self.cache, use_cache=True)
+        seconds = time.perf_counter() - t0
+        self.batch_forwards += 1
+        column = {r: j for j, r in enumerate(needed)}
+        for i, p in live:
+            req = self.active[i]
+            rows = torch.zeros(len(p.tokens), logits.shape[-1] if logits is not None else self._vocab(),
+                               dtype=logits.dtype if logits is not None else torch.float32)
+            for r in p.rows:
+                rows[r] = logits[i, column[r]]
+            try:
+                emitted, dropped = req.decoder.finish(p, rows, seconds)
+            except Exception as e:
+                req.error = e
+                continue
+            self.cache.keep(i, len(p.tokens) - dropped)
+            self._emit(req, emitted)
+
+    def _vocab(self) -> int:
+        return int(self.target.config.vocab_size)

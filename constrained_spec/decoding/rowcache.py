@@ -1,0 +1,147 @@
+"""The batch engine's KV cache: one slot per active request, each with its own length.
+
+Design. Per layer, keys and values live in dense buffers ``[slots, kv_heads, capacity, head_dim]``;
+request ``i``'s cache is positions ``0 .. lengths[i] - 1`` of its slot. A step writes each row's
+new tokens at ``lengths[i] + t`` (rows are right-padded to the longest; padding writes land past
+the row's end and are never read) and attention sees each row's keys through a per-row causal
+mask over absolute positions. Rolling a row back is lowering its length: the rejected draft
+positions are simply overwritten by the next step, so rows roll back independently at no cost.
+Active rows always occupy slots ``0 .. active - 1``: a finished row's slot is refilled by moving
+the last active row into it (a copy of one row's positions), so a forward reads views of the
+buffers, never a gather. Capacity grows by doubling with the longest row, up to the model's
+context; memory is ``slots x capacity x bytes_per_token``, where ``bytes_per_token`` is
+``2 x layers x kv_heads x head_dim x dtype size`` (SmolLM2-135M in float32: 46 KiB).
+
+transformers' continuous-batching ``PagedAttentionCache`` could hold this too (a caller-supplied
+length per request makes rollback free there as well), but its packed layout gathers every
+row's keys in every layer of every step (``index_select`` over all cached tokens), and its
+manager samples one token per request; dense slots need neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+
+class RowCache(Cache):
+    """Per-row-length KV cache for ``slots`` rows (see the module docstring).
+
+    Args:
+        num_layers: the model's decoder layers.
+        slots: the most rows at once.
+        max_capacity: positions per row at most (the model's context).
+        capacity: positions per row allocated at first (doubled as rows grow).
+    """
+
+    def __init__(self, num_layers: int, slots: int, max_capacity: int, capacity: int = 256) -> None:
+        super().__init__(layers=[])
+        self.num_layers = num_layers
+        self.slots = slots
+        self.max_capacity = max_capacity
+        self.capacity = min(capacity, max_capacity)
+        self.lengths = torch.zeros(slots, dtype=torch.long)
+        self.active = 0
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    # -- the interface transformers' attention calls -------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the active rows' new keys / values (``[active, kv_heads, q, head_dim]``) at each
+        row's own length; return every active row's keys / values up to the longest row."""
+        b, heads, q, dim = key_states.shape
+        if self.keys[layer_idx] is None:
+            shape = (self.slots, heads, self.capacity, dim)
+            self.keys[layer_idx] = key_states.new_zeros(shape)  # zeros: stale slots stay finite
+            self.values[layer_idx] = value_states.new_zeros(shape)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        lengths = self.lengths[:b].to(key_states.device)
+        where = (lengths[:, None] + torch.arange(q, device=key_states.device))[:, None, :, None]
+        where = where.expand(b, heads, q, dim)
+        keys[:b].scatter_(2, where, key_states)
+        values[:b].scatter_(2, where, value_states)
+        kv = int(self.lengths[:b].max()) + q
+        return keys[:b, :, :kv], values[:b, :, :kv]
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        """The longest active row's length."""
+        return int(self.lengths[: self.active].max()) if self.active else 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_capacity
+
+    # -- what the engine calls ------------------------------------------------------------------
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` per row (doubling the capacity as needed)."""
+        if positions > self.max_capacity:
+            raise ValueError(f"A row needs {positions} positions; the model's context holds {self.max_capacity}.")
+        if positions <= self.capacity:
+            return
+        new = self.capacity
+        while new < positions:
+            new *= 2
+        new = min(new, self.max_capacity)
+        for store in (self.keys, self.values):
+            for i, buf in enumerate(store):
+                if buf is not None:
+                    grown = buf.new_zeros(buf.shape[0], buf.shape[1], new, buf.shape[3])
+                    grown[:, :, : self.capacity] = buf
+                    store[i] = grown
+        self.capacity = new
+
+    def add_row(self, cache: DynamicCache) -> int:
+        """Take a request's single-row cache (its first step ran alone) into the next free slot."""
+        if self.active >= self.slots:
+            raise RuntimeError("RowCache is full")
+        slot = self.active
+        length = cache.get_seq_length()
+        self.reserve(length)
+        for i, layer in enumerate(cache.layers):
+            k, v = layer.keys, layer.values
+            if self.keys[i] is None:
+                shape = (self.slots, k.shape[1], self.capacity, k.shape[3])
+                self.keys[i], self.values[i] = k.new_zeros(shape), v.new_zeros(shape)
+            self.keys[i][slot, :, :length] = k[0]
+            self.values[i][slot, :, :length] = v[0]
+        self.lengths[slot] = length
+        self.active += 1
+        return slot
+
+    def remove_row(self, slot: int) -> int | None:
+        """Free ``slot``; the last active row moves into it. Returns the slot that moved (now
+        ``slot``), or None if ``slot`` was the last."""
+        last = self.active - 1
+        moved = None
+        if slot != last:
+            n = int(self.lengths[last])
+            for store in (self.keys, self.values):
+                for buf in store:
+                    if buf is not None:
+                        buf[slot, :, :n] = buf[last, :, :n]
+            self.lengths[slot] = n
+            moved = last
+        self.lengths[last] = 0
+        self.active -= 1
+        return moved
+
+    def keep(self, slot: int, positions: int) -> None:
+        """Commit ``positions`` of the row's last step (its last token and accepted drafts); the
+        rest of what the step wrote is rolled back by not counting it."""
+        self.lengths[slot] += positions
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one cached position of one row takes (all layers, keys and values)."""
+        buf = next((b for b in self.keys if b is not None), None)
+        if buf is None:
+            return 0
+        return 2 * self.num_layers * buf.shape[1] * buf.shape[3] * buf.element_size()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes held by the buffers now."""
+        return sum(b.numel() * b.element_size() for store in (self.keys, self.values) for b in store if b is not None)

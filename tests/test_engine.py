@@ -1,0 +1,198 @@
+"""The batch engine: every row equals its single-request run, the sampled law holds in a batch,
+rows join, leave, roll back and cancel independently, and the cache stays bounded.
+
+Greedy checks use float64 tiny models over the real SmolLM2 tokenizer (no near-ties), rows of
+different prompt lengths, drafters and K (a target drafting for itself: every draft accepted;
+a random draft model: most drafts rejected), more requests than slots (rows join mid-run),
+and different token limits (rows leave early).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import constrained_spec.decoding.decoder as decoder_mod
+from constrained_spec.constraint import TokenVocabulary, compile_constraint
+from constrained_spec.decoding import FixedK, decode
+from constrained_spec.decoding.engine import BatchEngine
+from constrained_spec.drafters import LookupDrafter, ModelDrafter
+from tests.conftest import tiny_llama
+from tests.test_exactness import EOS, MODEL_VOCAB, N, PATTERN, PROMPT, TOKENS, _correction_from_p, exact_law, sample_pvalue
+
+PADDED_VOCAB = 49152 + 64
+SCHEMAS = ["schemas/person.json", "schemas/invoice.json", "schemas/event.json"]
+TEXT = ('Record: name "Maria Gonzalez", age 34, city "Barcelona", occupation "architect". '
+        'Invoice INV-2291 from Acme GmbH dated 2024-03-05, total 1249.50 EUR, paid: true.')
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_llama(PADDED_VOCAB, seed=11, init=0.3), tiny_llama(PADDED_VOCAB, seed=12, init=0.3)
+
+
+@pytest.fixture(scope="module")
+def compiled(smol_tokenizer):
+    return {path: compile_constraint(path, smol_tokenizer, backend="llguidance") for path in SCHEMAS}
+
+
+def request_specs(smol_tokenizer, target, draft):
+    """(schema, prompt, drafter factory, K, max_new_tokens) for 7 requests unlike each other."""
+    ids = smol_tokenizer(TEXT)["input_ids"]
+    specs = [
+        (SCHEMAS[0], ids, None, 0, 48),  # target-only row
+        (SCHEMAS[1], ids[:40], lambda m: ModelDrafter(target, m), 5, 48),  # drafts all accepted
+        (SCHEMAS[2], ids[5:], lambda m: ModelDrafter(draft, m), 4, 48),  # drafts mostly rejected
+        (SCHEMAS[0], ids[:12], LookupDrafter, 3, 48),
+        (SCHEMAS[1], ids, lambda m: ModelDrafter(draft, m), 2, 9),  # leaves early at its limit
+        (SCHEMAS[2], ids[:25], None, 0, 20),
+        (SCHEMAS[0], ids[3:30], lambda m: ModelDrafter(target, m), 8, 48),  # joins once a slot frees
+    ]
+    return specs
+
+
+def single(target, compiled, spec):
+    schema, prompt, make, k, limit = spec
+    m = compiled[schema].matcher()
+    return decode(target, m, prompt, drafter=make(m) if make else None, k_policy=FixedK(k), max_new_tokens=limit)
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_every_row_equals_its_single_request(smol_tokenizer, models, compiled, max_batch):
+    target, draft = models
+    specs = request_specs(smol_tokenizer, target, draft)
+    engine = BatchEngine(target, max_batch=max_batch)
+    streamed: dict[int, list[int]] = {}
+    reqs = []
+    for schema, prompt, make, k, limit in specs:
+        m = compiled[schema].matcher()
+        req = engine.submit(prompt, m, drafter=make(m) if make else None, k_policy=FixedK(k), max_new_tokens=limit,
+                            on_tokens=lambda toks, i=len(reqs): streamed.setdefault(i, []).extend(toks))
+        reqs.append(req)
+    done = list(engine.run())
+    assert sorted(r.id for r in done) == [r.id for r in reqs] and not engine.busy
+    for i, (spec, req) in enumerate(zip(specs, reqs)):
+        ref = single(target, compiled, spec)
+        assert req.error is None and req.done
+        assert req.result.tokens == ref.tokens, i
+        assert req.result.finished == ref.finished, i
+        assert streamed.get(i, []) == ref.tokens, i
+        assert req.result.stats.target_forwards == ref.stats.target_forwards, i  # the same steps, batched
+    assert engine.cache.active == 0
+    if max_batch > 1:
+        assert engine.batch_forwards < sum(r.result.stats.target_forwards - 1 for r in reqs)  # rows shared forwards
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others_alone(smol_tokenizer, models, compiled):
+    target, draft = models
+    specs = request_specs(smol_tokenizer, target, draft)[:3]
+    engine = BatchEngine(target, max_batch=2)
+    reqs = []
+    for schema, prompt, make, k, limit in specs:
+        m = compiled[schema].matcher()
+        reqs.append(engine.submit(prompt, m, drafter=make(m) if make else None, k_policy=FixedK(k), max_new_tokens=limit))
+    engine.step()
+    engine.step()
+    engine.cancel(reqs[0])
+    done = list(engine.run())
+    assert reqs[0].cancelled and reqs[0].done and reqs[0] in done
+    ref0 = single(target, compiled, specs[0]).tokens
+    assert 0 < len(reqs[0].result.tokens) < len(ref0) and ref0[: len(reqs[0].result.tokens)] == reqs[0].result.tokens
+    for spec, req in zip(specs[1:], reqs[1:]):
+        assert req.result.tokens == single(target, compiled, spec).tokens
+
+
+def test_a_failing_row_does_not_stop_the_batch(smol_tokenizer, models, compiled):
+    target, draft = models
+    specs = request_specs(smol_tokenizer, target, draft)[:2]
+    engine = BatchEngine(target, max_batch=2)
+    m0 = compiled[specs[0][0]].matcher()
+
+    class Broken(LookupDrafter):
+        calls = 0
+
+        def propose(self, context, state, k):
+            Broken.calls += 1
+            if Broken.calls == 3:
+                raise RuntimeError("drafter broke")
+            return super().propose(context, state, k)
+
+    bad = engine.submit(specs[0][1], m0, drafter=Broken(m0), k_policy=FixedK(2), max_new_tokens=48)
+    m1 = compiled[specs[1][0]].matcher()
+    good = engine.submit(specs[1][1], m1, drafter=ModelDrafter(target, m1), k_policy=FixedK(5), max_new_tokens=48)
+    list(engine.run())
+    assert isinstance(bad.error, RuntimeError) and bad.done
+    assert good.error is None and good.result.tokens == single(target, compiled, specs[1]).tokens
+
+
+def test_cache_memory_stays_bounded_over_a_long_run(smol_tokenizer, models, compiled):
+    """40 requests through 2 slots: the buffers reach the longest row's size rounded up to a
+    power of two and stay there; a position costs 2 x layers x kv_heads x head_dim x 8 bytes."""
+    target, _ = models
+    ids = smol_tokenizer(TEXT)["input_ids"]
+    engine = BatchEngine(target, max_batch=2)
+    sizes = []
+    for i in range(40):
+        m = compiled[SCHEMAS[i % 3]].matcher()
+        engine.submit(ids[i % 7 :], m, drafter=LookupDrafter(m), k_policy=FixedK(3), max_new_tokens=24)
+        if i % 2:
+            for _ in engine.run():
+                sizes.append(engine.cache.allocated_bytes)
+    cfg = target.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 8
+    assert engine.cache.bytes_per_token == per_token
+    longest = len(ids) + 24 + 4
+    assert engine.cache.capacity <= max(256, 2 * longest) and len(set(sizes[4:])) == 1
+    assert max(sizes) == engine.cache.slots * engine.cache.capacity * per_token
+
+
+def test_row_cache_grows_by_doubling_within_the_context():
+    from constrained_spec.decoding.rowcache import RowCache
+
+    cache = RowCache(num_layers=2, slots=3, max_capacity=1000, capacity=16)
+    k = torch.randn(2, 1, 5, 4, dtype=torch.float64)
+    cache.active = 2
+    cache.update(k, k, 0)
+    cache.lengths[:2] = torch.tensor([5, 3])
+    cache.reserve(40)
+    assert cache.capacity == 64 and cache.keys[0].shape == (3, 1, 64, 4)
+    assert torch.equal(cache.keys[0][0, :, :5], k[0]) and torch.equal(cache.keys[0][1, :, :3], k[1, :, :3])
+    cache.reserve(900)
+    assert cache.capacity == 1000
+    with pytest.raises(ValueError, match="context"):
+        cache.reserve(1001)
+
+
+@pytest.fixture(scope="module")
+def small():
+    vocab = TokenVocabulary.build(TOKENS, EOS, size=7)
+    return compile_constraint(PATTERN, vocab, kind="regex"), tiny_llama(MODEL_VOCAB, seed=1), tiny_llama(MODEL_VOCAB, seed=2)
+
+
+def engine_draws(compiled, target, draft, batch=8):
+    """N sampled requests (seeds 0..N-1) through one engine, ``batch`` rows at once; K = 1 so
+    that most tokens come from batched steps, not from a request's first step."""
+    engine = BatchEngine(target, max_batch=batch)
+    reqs = []
+    for seed in range(N):
+        m = compiled.matcher()
+        reqs.append(engine.submit(PROMPT, m, drafter=ModelDrafter(draft, m, temperature=1.0), k_policy=FixedK(1),
+                                  temperature=1.0, seed=seed, max_new_tokens=16))
+    list(engine.run())
+    assert max(r.result.stats.target_forwards for r in reqs) >= 2
+    return {i: r.result.tokens for i, r in enumerate(reqs)}
+
+
+def test_sampling_in_a_batch_is_exact(small):
+    compiled, target, draft = small
+    law = exact_law(compiled, target, PROMPT)
+    draws = engine_draws(compiled, target, draft)
+    assert sample_pvalue(law, lambda s: draws[s]) > 1e-3
+
+
+def test_negative_control_in_a_batch_is_caught(small, monkeypatch):
+    compiled, target, draft = small
+    law = exact_law(compiled, target, PROMPT)
+    monkeypatch.setattr(decoder_mod, "verify_sampled", _correction_from_p)
+    draws = engine_draws(compiled, target, draft)
+    assert sample_pvalue(law, lambda s: draws[s]) < 1e-4
