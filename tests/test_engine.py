@@ -196,3 +196,49 @@ def test_negative_control_in_a_batch_is_caught(small, monkeypatch):
     monkeypatch.setattr(decoder_mod, "verify_sampled", _correction_from_p)
     draws = engine_draws(compiled, target, draft)
     assert sample_pvalue(law, lambda s: draws[s]) < 1e-4
+
+
+def test_budget_width_follows_cost_and_acceptance():
+    from constrained_spec.decoding.budget import BatchCost, choose_width
+
+    cpu = BatchCost(0.040, 0.0022)  # native on this CPU: rows cost
+    flat = BatchCost(0.020, 0.0)  # an accelerator with room to spare
+    sure, unsure = [0.97 ** j for j in range(1, 21)], [0.4 ** j for j in range(1, 21)]
+    assert choose_width([sure], 1, 1, cpu) > 10  # one row: verify a long forced span
+    assert choose_width([sure] * 16, 1, 16, cpu) < choose_width([sure], 1, 1, cpu)  # a full batch: less room
+    assert choose_width([unsure] * 16, 1, 16, cpu) == 1  # guesses that mostly fail: K = 0 at batch 16
+    assert choose_width([sure] * 16, 1, 16, flat) == 21  # flat cost: everything pays
+    assert choose_width([unsure] * 16, 5, 16, cpu) == 5  # rows that cannot be cut set the floor
+
+
+def test_batch_cost_fit_moves_from_the_prior_to_the_data():
+    from constrained_spec.decoding.budget import BatchCost
+
+    cost = BatchCost(0.040, 0.0022)
+    assert cost.seconds(10) == pytest.approx(0.062)
+    for rows in (16, 32, 64, 128, 256) * 20:
+        cost.add(rows, 0.010 + 0.001 * rows)
+    t0, t1 = cost.fitted()
+    assert t0 == pytest.approx(0.010, rel=0.25) and t1 == pytest.approx(0.001, rel=0.15)  # prior: 8 of 108 forwards
+
+
+def test_adaptive_rows_are_cut_to_the_budget_and_still_equal_single_requests(smol_tokenizer, models, compiled):
+    """With the CPU's cost prior and 8 rows, the engine verifies fewer drafts per row than each
+    request would alone; greedy tokens do not depend on K, so every row still equals its
+    single-request output."""
+    from constrained_spec.decoding import AdaptiveK
+
+    target, _ = models
+    ids = smol_tokenizer(TEXT)["input_ids"]
+    engine = BatchEngine(target, max_batch=8, precision="native", profile="cpu")
+    reqs, refs = [], []
+    for i in range(8):
+        schema = SCHEMAS[i % 3]
+        m = compiled[schema].matcher()
+        reqs.append(engine.submit(ids[i:], m, drafter=ModelDrafter(target, m), k_policy=AdaptiveK(12, costly_draft=False),
+                                  max_new_tokens=40))
+        m2 = compiled[schema].matcher()
+        refs.append(decode(target, m2, ids[i:], drafter=ModelDrafter(target, m2), k_policy=FixedK(12), max_new_tokens=40))
+    list(engine.run())
+    assert all(r.result.tokens == ref.tokens for r, ref in zip(reqs, refs))
+    assert engine.widths and max(engine.widths) < 13  # cut below the 12 drafts each row proposed

@@ -36,6 +36,14 @@ class StepPlan:
     t1: float
     tc: float
 
+    def cut(self, k: int) -> "StepPlan":
+        """This plan with its draft cut to its first ``k`` tokens (a batch's step budget)."""
+        if k >= len(self.draft.tokens):
+            return self
+        front = self.first + 1
+        return StepPlan(self.tokens[: front + k], [r for r in self.rows if r < front + k], self.first,
+                        self.draft.prefix(k), self.masks[: k + 1], self.t0, self.t1, self.tc)
+
 
 class SpeculativeDecoder:
     """One request's decoding state: the target KV cache, the matcher, the output so far.

@@ -28,8 +28,10 @@ import torch
 from ..constraint import Matcher
 from ..drafters import Drafter
 from ..errors import InvalidOptionError
+from .budget import BatchCost, batch_cost_prior, choose_width
 from .decoder import SpeculativeDecoder, StepPlan
-from .kpolicy import KPolicy
+from .kpolicy import AdaptiveK, KPolicy
+from .profiles import detect_profile
 from .rowcache import RowCache
 from .stats import DecodeResult
 
@@ -63,9 +65,12 @@ class BatchEngine:
         target: a causal LM (transformers) whose attention takes a 4D boolean mask (sdpa or the
             batch-invariant implementation; eager attention gets an additive mask).
         max_batch: the most rows decoded at once; more requests wait for a free slot.
+        precision, profile: pick the forward-cost prior of the step budget (``decoding.budget``);
+            None: the target's dtype and the detected profile.
     """
 
-    def __init__(self, target: Any, *, max_batch: int = 16) -> None:
+    def __init__(self, target: Any, *, max_batch: int = 16, precision: str | None = None,
+                 profile: str | None = None) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise InvalidOptionError(f"Invalid max_batch: expected an integer >= 1, got {max_batch!r}.")
         self.target = target
@@ -80,6 +85,10 @@ class BatchEngine:
         self._additive_mask = impl == "eager"
         #: Forwards run by the engine for batched steps (prompt passes are the requests' own).
         self.batch_forwards = 0
+        precision = precision or str(next(target.parameters()).dtype).replace("torch.", "")
+        self.cost = BatchCost(*batch_cost_prior(profile or detect_profile(), precision))
+        #: Widths (1 + drafts) of the batched steps, for figures and tests.
+        self.widths: list[int] = []
 
     def submit(self, prompt_ids: list[int], matcher: Matcher, *, drafter: Drafter | None = None,
                k_policy: KPolicy | None = None, temperature: float = 0.0, seed: int | None = None,
@@ -179,7 +188,9 @@ class BatchEngine:
         if not live:
             return
         b = len(self.active)
+        live = self._budget(live, b)
         width = max(len(p.tokens) for _, p in live)
+        self.widths.append(width)
         lengths = self.cache.lengths[:b].clone()
         self.cache.reserve(int(lengths.max()) + width)
         ids = torch.zeros(b, width, dtype=torch.long)
@@ -204,6 +215,7 @@ class BatchEngine:
                                    attention_mask=mask.to(self.device), cache=self.cache, use_cache=True)
         seconds = time.perf_counter() - t0
         self.batch_forwards += 1
+        self.cost.add(b * width, seconds)
         column = {r: j for j, r in enumerate(needed)}
         for i, p in live:
             req = self.active[i]
@@ -218,6 +230,19 @@ class BatchEngine:
                 continue
             self.cache.keep(i, len(p.tokens) - dropped)
             self._emit(req, emitted)
+
+    def _budget(self, live: list[tuple[int, StepPlan]], b: int) -> list[tuple[int, StepPlan]]:
+        """Cut the drafts of rows whose K policy allows it to the step width with the most
+        expected tokens per second (``decoding.budget``)."""
+        cuttable = {i for i, p in live if isinstance(self.active[i].decoder.k_policy, AdaptiveK)
+                    and self.active[i].decoder.k_policy.budgeted and p.draft.tokens}
+        if not cuttable:
+            return live
+        survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds())  # type: ignore[union-attr]
+                     for i, p in live if i in cuttable]
+        min_width = max([1, *[len(p.tokens) for i, p in live if i not in cuttable]])
+        width = choose_width(survivals, min_width, b, self.cost)
+        return [(i, p.cut(width - 1) if i in cuttable else p) for i, p in live]
 
     def _vocab(self) -> int:
         return int(self.target.config.vocab_size)

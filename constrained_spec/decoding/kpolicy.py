@@ -226,6 +226,20 @@ class AdaptiveK:
                 keep = 1
         return keep
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether a batch engine may cut this request's drafts to its step budget (not when the
+        request must be reproducible from its seed: the budget depends on the other rows)."""
+        return not self.deterministic
+
+    def survival(self, kinds: Sequence[str]) -> list[float]:
+        """P(draft tokens 1..j are all accepted) for j = 1..len(kinds), from the current estimates."""
+        out, p = [], 1.0
+        for key in alpha_keys(kinds):
+            p *= self.alpha(key)
+            out.append(p)
+        return out
+
     def _best_prefix(self, kinds: Sequence[str], extra: Callable[[int], float]) -> int:
         """First-stop argmax over j of (1 + sum_{i<=j} prod_{m<=i} alpha_m) / (1 + extra(j)),
         ``extra(j)`` the cost of verifying j more tokens relative to a plain pass."""
