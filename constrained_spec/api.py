@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
-from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder
+from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
 from .drafters import Drafter, build_drafter
 from .errors import InvalidPromptError, InvalidRegexError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
@@ -116,7 +116,8 @@ def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], Compiled
     parts = prepare_request(handle, resolve_draft(draft, handle, opts), compile_for(handle), prompt, opts, task)
     dec = SpeculativeDecoder(handle.model, parts.matcher, parts.prompt_ids, drafter=parts.drafter,
                              k_policy=parts.k_policy, temperature=opts.temperature, seed=opts.seed,
-                             max_new_tokens=opts.max_new_tokens)
+                             max_new_tokens=opts.max_new_tokens,
+                             prefix_cache=prefix_cache_for(handle.model) if opts.prefix_cache else None)
     dec.stats.profile = parts.profile
     return handle, dec
 

@@ -3,6 +3,7 @@ figures, the K policy and hardware profiles, and the options object."""
 
 from .decoder import SpeculativeDecoder, StepPlan, decode
 from .engine import BatchEngine, Request
+from .prefix import PrefixCache, prefix_cache_for
 from .rowcache import RowCache
 from .kpolicy import AdaptiveK, FixedK, KPolicy, optimal_k
 from .options import DrafterName, SpecOptions
@@ -12,6 +13,6 @@ from .verifier import Verdict, verify_greedy, verify_sampled
 
 __all__ = [
     "AdaptiveK", "BatchEngine", "DecodeResult", "DecodeStats", "DrafterName", "FixedK", "KPolicy", "K_MAX_PROFILES",
-    "Request", "RowCache", "SpecOptions", "SpeculativeDecoder", "StepPlan", "Verdict", "decode", "detect_profile",
-    "optimal_k", "verify_greedy", "verify_sampled",
+    "PrefixCache", "Request", "RowCache", "SpecOptions", "SpeculativeDecoder", "StepPlan", "Verdict", "decode", "detect_profile",
+    "optimal_k", "prefix_cache_for", "verify_greedy", "verify_sampled",
 ]

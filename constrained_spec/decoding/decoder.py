@@ -17,6 +17,7 @@ from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
 from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from .kpolicy import FixedK, KPolicy
+from .prefix import BLOCK, PrefixCache, prefill_blocks
 from .stats import DecodeResult, DecodeStats
 from .verifier import masked_probs, verify_greedy, verify_sampled
 
@@ -61,6 +62,8 @@ class SpeculativeDecoder:
         temperature: 0 for greedy; above 0, exact sampling from the masked target law.
         seed: seeds the one generator the verifier and every drafter share.
         max_new_tokens: the generation limit (also bounded by the model's context).
+        prefix_cache: where the prompt's leading blocks' keys and values are looked up and
+            stored (``decoding.prefix``); None computes them (the same blocks either way).
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         seed: int | None = None,
         max_new_tokens: int = 512,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if not isinstance(matcher, Matcher):
             raise InvalidOptionError(
@@ -110,6 +114,8 @@ class SpeculativeDecoder:
         self.max_new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
         self.device = next(target.parameters()).device
         self._batch_invariant = bool(getattr(target, "batch_invariant", False))
+        self.prefix_cache = prefix_cache
+        self._prefilled = 0
         self.output: list[int] = []
         self.finished = False
         self.cache = DynamicCache(config=target.config)
@@ -137,7 +143,7 @@ class SpeculativeDecoder:
         extra = {"prompt_rows": first} if self._batch_invariant else {}  # see models.invariant
         out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
                           logits_to_keep=keep, **extra)
-        if not self.stats.target_forwards and self.cache.get_seq_length() != len(ids):
+        if not self.stats.target_forwards and self.cache.get_seq_length() != self._prefilled + len(ids):
             import transformers
 
             raise ModelLoadError(f"transformers {transformers.__version__} did not fill the KV cache passed as "
@@ -155,11 +161,19 @@ class SpeculativeDecoder:
         return single
 
     def start(self) -> None:
-        """Reset the drafter and queue the prompt. Nothing is fed yet: the prompt (minus its last
-        token) rides in the first step's verify pass, which saves one forward per request."""
+        """Reset the drafter, feed the prompt's whole blocks (from the prefix cache where it has
+        them, see ``decoding.prefix``) and queue the rest: the prompt's last partial block
+        (minus its last token) rides in the first step's verify pass, one forward less."""
         if self.drafter is not None:
             self.drafter.reset(self.prompt_ids)
-        self._pending = self.prompt_ids[:-1]
+        t0 = time.perf_counter()
+        hits = self.prefix_cache.hits if self.prefix_cache is not None else 0
+        self._prefilled = prefill_blocks(self.target, self.cache, self.prompt_ids[:-1], self.prefix_cache,
+                                         self._batch_invariant)
+        if self.prefix_cache is not None:
+            self.stats.prefix_cached_tokens = (self.prefix_cache.hits - hits) * BLOCK
+        self.stats.prefill_seconds = time.perf_counter() - t0
+        self._pending = self.prompt_ids[self._prefilled : -1]
 
     def plan(self) -> StepPlan:
         """Steps 1-3 of a step: choose K, draft, and the masks along the draft path. Returns what
@@ -198,7 +212,7 @@ class SpeculativeDecoder:
         k = len(draft.tokens)
         t2 = time.perf_counter()
         if first:
-            st.prefill_seconds = forward_seconds
+            st.prefill_seconds += forward_seconds
         for i, mask in enumerate(masks):
             apply_mask(logits[i], mask)
         t3 = time.perf_counter()

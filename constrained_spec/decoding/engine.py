@@ -31,6 +31,7 @@ from ..errors import InvalidOptionError
 from .budget import BatchCost, batch_cost_prior, choose_width
 from .decoder import SpeculativeDecoder, StepPlan
 from .kpolicy import AdaptiveK, KPolicy
+from .prefix import PrefixCache, prefix_cache_for
 from .profiles import detect_profile
 from .rowcache import RowCache
 from .stats import DecodeResult
@@ -67,10 +68,12 @@ class BatchEngine:
         max_batch: the most rows decoded at once; more requests wait for a free slot.
         precision, profile: pick the forward-cost prior of the step budget (``decoding.budget``);
             None: the target's dtype and the detected profile.
+        prefix_cache: the prompt blocks' key / value cache requests share (``decoding.prefix``):
+            True for the model's shared one, False for none, or a ``PrefixCache``.
     """
 
     def __init__(self, target: Any, *, max_batch: int = 16, precision: str | None = None,
-                 profile: str | None = None) -> None:
+                 profile: str | None = None, prefix_cache: PrefixCache | bool = True) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise InvalidOptionError(f"Invalid max_batch: expected an integer >= 1, got {max_batch!r}.")
         self.target = target
@@ -78,6 +81,8 @@ class BatchEngine:
         self.device = next(target.parameters()).device
         context = getattr(target.config, "max_position_embeddings", None) or 4096
         self.cache = RowCache(target.config.num_hidden_layers, max_batch, context)
+        self.prefix_cache = (prefix_cache_for(target) if prefix_cache is True else
+                             prefix_cache if isinstance(prefix_cache, PrefixCache) else None)
         self.waiting: list[Request] = []
         self.active: list[Request] = []  # active[i] lives in cache slot i
         self._ids = itertools.count()
@@ -97,7 +102,8 @@ class BatchEngine:
         options as in ``SpeculativeDecoder``, which checks them now). It joins at the next step
         with a free slot."""
         dec = SpeculativeDecoder(self.target, matcher, prompt_ids, drafter=drafter, k_policy=k_policy,
-                                 temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
+                                 temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                                 prefix_cache=self.prefix_cache)
         req = Request(next(self._ids), dec, on_tokens)
         self.waiting.append(req)
         return req

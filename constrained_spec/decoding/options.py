@@ -42,6 +42,8 @@ class SpecOptions:
             in ``stats.relaxed``; the output is still validated against the full schema).
         whitespace: the JSON layout: "canonical" (``json.dumps`` style, the default), "flexible",
             "compact", or a whitespace regex.
+        prefix_cache: reuse the keys and values of prompt blocks that earlier requests on the
+            same model computed (``decoding.prefix``; outputs are identical either way).
 
     Raises ``InvalidOptionError`` (a ``ValueError``) naming the option when a value is bad.
 
@@ -62,6 +64,7 @@ class SpecOptions:
     backend: str = "auto"
     lenient: bool = False
     whitespace: str = DEFAULT_JSON_WHITESPACE
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTER_NAMES:
@@ -71,6 +74,8 @@ class SpecOptions:
             raise InvalidOptionError(f"Invalid k_max: expected an integer >= 0 or None, got {self.k_max!r}.")
         if not isinstance(self.adaptive, bool):
             raise InvalidOptionError(f"Invalid adaptive: expected True or False, got {self.adaptive!r}.")
+        if not isinstance(self.prefix_cache, bool):
+            raise InvalidOptionError(f"Invalid prefix_cache: expected True or False, got {self.prefix_cache!r}.")
         if self.profile is not None and self.profile not in K_MAX_PROFILES:
             raise InvalidOptionError(f"Invalid profile: expected one of {sorted(K_MAX_PROFILES)}, got {self.profile!r}.")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \

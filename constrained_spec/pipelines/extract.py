@@ -166,7 +166,8 @@ def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], han
     read as slots free up (at most ``batch_size`` wait), results come out in input order."""
     compiled = compile_constraint(loaded, handle.tokenizer, kind="json", backend=opts.backend,  # type: ignore[arg-type]
                                   lenient=opts.lenient, whitespace=opts.whitespace)
-    engine = BatchEngine(handle.model, max_batch=batch_size, precision=handle.precision, profile=opts.profile)
+    engine = BatchEngine(handle.model, max_batch=batch_size, precision=handle.precision, profile=opts.profile,
+                         prefix_cache=opts.prefix_cache)
     order: deque[tuple[str, Request | ExtractionResult]] = deque()
     documents = iter(prompts)
     more = True
