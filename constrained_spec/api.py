@@ -14,8 +14,9 @@ from typing import Any, Callable, Iterator
 
 from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
+from .decoding.prefix import shared_prefix_length
 from .drafters import Drafter, build_drafter
-from .errors import InvalidPromptError, InvalidRegexError, OutputValidationError, TokenLimitError
+from .errors import InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, TokenLimitError
 from .models import ModelHandle, check_same_tokenizer, resolve_model
 
 
@@ -83,21 +84,29 @@ class RequestParts:
     drafter: Drafter | None
     k_policy: KPolicy
     profile: str
+    #: Leading prompt tokens shared with other requests (None: no shared prefix named).
+    prefix_len: int | None = None
 
 
 def prepare_request(handle: ModelHandle, draft_handle: ModelHandle | None, compiled: CompiledConstraint,
-                    prompt: str, opts: SpecOptions, task: str) -> RequestParts:
+                    prompt: str, opts: SpecOptions, task: str, shared_prefix: str | None = None) -> RequestParts:
     """Encode the prompt and build the request's matcher, drafter and K policy (every check
-    that can fail before a forward)."""
+    that can fail before a forward). ``shared_prefix``: the leading text of ``prompt`` that
+    other requests share (see ``decoding.prefix``)."""
     matcher = compiled.matcher()
     prompt_ids = encode_prompt(handle, prompt)
+    prefix_len = None
+    if shared_prefix:
+        if not isinstance(shared_prefix, str) or not prompt.startswith(shared_prefix):
+            raise InvalidOptionError("Invalid shared_prefix: expected the leading text of the prompt.")
+        prefix_len = shared_prefix_length(prompt_ids, encode_prompt(handle, shared_prefix))
     # Raises InvalidOptionError for drafter="model" without a draft model (still before any forward).
     drafter = build_drafter(opts.drafter_kind, matcher, handle.tokenizer,
                             draft_model=draft_handle.model if draft_handle else None,
                             temperature=opts.temperature, source_text=prompt)
     profile, k_max = opts.resolve_k_max(task)
     policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name)
-    return RequestParts(prompt_ids, matcher, drafter, policy, profile)
+    return RequestParts(prompt_ids, matcher, drafter, policy, profile, prefix_len)
 
 
 def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> ModelHandle | None:
@@ -110,13 +119,14 @@ def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> ModelHa
 
 
 def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], CompiledConstraint], prompt: str,
-           opts: SpecOptions, task: str) -> tuple[ModelHandle, SpeculativeDecoder]:
+           opts: SpecOptions, task: str, shared_prefix: str | None = None) -> tuple[ModelHandle, SpeculativeDecoder]:
     """Resolve the models, compile, encode the prompt and build the decoder: every check before any forward."""
     handle = resolve_model(model)
-    parts = prepare_request(handle, resolve_draft(draft, handle, opts), compile_for(handle), prompt, opts, task)
+    parts = prepare_request(handle, resolve_draft(draft, handle, opts), compile_for(handle), prompt, opts, task,
+                            shared_prefix)
     dec = SpeculativeDecoder(handle.model, parts.matcher, parts.prompt_ids, drafter=parts.drafter,
                              k_policy=parts.k_policy, temperature=opts.temperature, seed=opts.seed,
-                             max_new_tokens=opts.max_new_tokens,
+                             max_new_tokens=opts.max_new_tokens, prefix_len=parts.prefix_len,
                              prefix_cache=prefix_cache_for(handle.model) if opts.prefix_cache else None)
     dec.stats.profile = parts.profile
     return handle, dec
@@ -141,6 +151,7 @@ def generate_json(
     options: SpecOptions | None = None,
     stream: bool = False,
     return_stats: bool = False,
+    shared_prefix: str | None = None,
     **option_values: Any,
 ) -> Any:
     """Generate a JSON value that validates against ``schema``.
@@ -161,6 +172,10 @@ def generate_json(
         stream: return a ``TextStream`` that yields the text as tokens are accepted; its
             ``value`` and ``stats`` are set once it is exhausted.
         return_stats: also return a ``DecodeStats``.
+        shared_prefix: the leading text of ``prompt`` that other requests share (an instruction
+            template, a system text): its tokens are computed in a pass of their own and, with
+            ``prefix_cache`` on (the default), kept for the next request that starts with them.
+            The output is the same with or without the cache.
 
     Returns:
         The parsed value (a pydantic instance when ``schema`` is a pydantic class), or
@@ -175,7 +190,7 @@ def generate_json(
     loaded = load_schema(schema)
     compile_for = lambda h: compile_constraint(  # noqa: E731
         loaded, h.tokenizer, kind="json", backend=opts.backend, lenient=opts.lenient, whitespace=opts.whitespace)
-    handle, dec = _start(model, draft, compile_for, prompt, opts, task="json")
+    handle, dec = _start(model, draft, compile_for, prompt, opts, task="json", shared_prefix=shared_prefix)
     finish = lambda text: validate_json_output(text, loaded)  # noqa: E731
     return _generate(handle, dec, finish, stream=stream, return_stats=return_stats)
 
@@ -214,6 +229,7 @@ def generate_regex(
     options: SpecOptions | None = None,
     stream: bool = False,
     return_stats: bool = False,
+    shared_prefix: str | None = None,
     **option_values: Any,
 ) -> Any:
     """Generate a string that fully matches ``pattern``; arguments as in ``generate_json``
@@ -236,5 +252,5 @@ def generate_regex(
         return text
 
     compile_for = lambda h: compile_constraint(pattern, h.tokenizer, kind="regex", backend=opts.backend)  # noqa: E731
-    handle, dec = _start(model, draft, compile_for, prompt, opts, task="text")
+    handle, dec = _start(model, draft, compile_for, prompt, opts, task="text", shared_prefix=shared_prefix)
     return _generate(handle, dec, finish, stream=stream, return_stats=return_stats)

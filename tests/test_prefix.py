@@ -7,12 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from constrained_spec.constraint import compile_constraint
 from constrained_spec.decoding import FixedK, PrefixCache, decode
 from constrained_spec.decoding.engine import BatchEngine
-from constrained_spec.decoding.prefix import BLOCK
+from constrained_spec.decoding.prefix import shared_prefix_length
 from constrained_spec.drafters import LookupDrafter
 from tests.conftest import tiny_llama
 
@@ -32,70 +31,76 @@ def setup(smol_tokenizer):
     target = tiny_llama(49152 + 64, seed=21, init=0.3)
     compiled = compile_constraint(ROOT / "schemas" / "person.json", smol_tokenizer)
     prompts = [smol_tokenizer(SHARED + d)["input_ids"] for d in DOCS]
-    return target, compiled, prompts
+    shared = shared_prefix_length(prompts[0], smol_tokenizer(SHARED)["input_ids"])
+    return target, compiled, prompts, shared
 
 
-def run(target, compiled, prompt, cache):
+def run(target, compiled, prompt, prefix_len, cache):
     m = compiled.matcher()
-    return decode(target, m, prompt, drafter=LookupDrafter(m), k_policy=FixedK(4), max_new_tokens=40, prefix_cache=cache)
+    return decode(target, m, prompt, drafter=LookupDrafter(m), k_policy=FixedK(4), max_new_tokens=40,
+                  prefix_len=prefix_len, prefix_cache=cache)
 
 
 def test_outputs_are_identical_with_and_without_the_cache(setup):
-    target, compiled, prompts = setup
-    shared = next(i for i, col in enumerate(zip(*prompts)) if len(set(col)) > 1)
-    assert shared > 2 * BLOCK  # the prompts span several blocks, and share the first ones
+    target, compiled, prompts, shared = setup
+    assert shared > 40 and all(p[:shared] == prompts[0][:shared] for p in prompts)
     cache = PrefixCache()
-    for round_ in range(2):
-        for p in prompts:
-            cold = run(target, compiled, p, None)
-            warm = run(target, compiled, p, cache)
-            assert warm.tokens == cold.tokens and warm.finished == cold.finished
-            if round_:  # the whole prompt's blocks were stored in round 0
-                assert warm.stats.prefix_cached_tokens == (len(p) - 1) // BLOCK * BLOCK
-    assert cache.hits > 0 and len(cache) > 0
+    for i, p in enumerate(prompts):
+        cold = run(target, compiled, p, shared, None)
+        warm = run(target, compiled, p, shared, cache)
+        assert warm.tokens == cold.tokens and warm.finished == cold.finished
+        assert warm.stats.prefix_cached_tokens == (shared if i else 0)  # the first request stored it
+    assert cache.hits == 2 and len(cache) == 1
 
 
-def test_blocks_are_keyed_by_the_whole_prefix(setup):
-    target, compiled, prompts = setup
+def test_the_prefix_is_keyed_by_its_tokens(setup):
+    target, compiled, prompts, shared = setup
     cache = PrefixCache()
-    a = prompts[0]
-    run(target, compiled, a, cache)
-    b = [a[0] + 1] + a[1:]  # the same blocks after the first token, which differs
-    res = run(target, compiled, b, cache)
-    assert res.stats.prefix_cached_tokens == 0
-    assert res.tokens == run(target, compiled, b, None).tokens
+    run(target, compiled, prompts[0], shared, cache)
+    other = [prompts[0][0] + 1] + prompts[1][1:]  # the same tokens but the first
+    res = run(target, compiled, other, shared, cache)
+    assert res.stats.prefix_cached_tokens == 0 and len(cache) == 2
+    assert res.tokens == run(target, compiled, other, shared, None).tokens
 
 
 def test_memory_is_bounded_least_recently_used_first(setup):
-    target, compiled, prompts = setup
+    target, compiled, prompts, shared = setup
     one = PrefixCache()
-    run(target, compiled, prompts[0], one)
-    per_block = one.bytes // len(one)
-    cache = PrefixCache(max_bytes=3 * per_block)
-    for p in prompts:
-        run(target, compiled, p, cache)
-        assert cache.bytes <= cache.max_bytes and len(cache) <= 3
-    # The last prompt's blocks are the most recent: a rerun reuses them.
-    assert run(target, compiled, prompts[-1], cache).stats.prefix_cached_tokens == 3 * BLOCK
+    run(target, compiled, prompts[0], shared, one)
+    cache = PrefixCache(max_bytes=2 * one.bytes)
+    variants = [[t + i for t in prompts[0][:1]] + p[1:] for i, p in enumerate(prompts)]  # 3 different prefixes
+    for v in variants:
+        run(target, compiled, v, shared, cache)
+        assert cache.bytes <= cache.max_bytes and len(cache) <= 2
+    assert run(target, compiled, variants[-1], shared, cache).stats.prefix_cached_tokens == shared  # most recent kept
+    assert run(target, compiled, variants[0], shared, cache).stats.prefix_cached_tokens == 0  # least recent evicted
 
 
-def test_engine_rows_share_prefix_blocks_and_match_single_runs(setup):
-    target, compiled, prompts = setup
+def test_engine_rows_share_the_prefix_and_match_single_runs(setup):
+    target, compiled, prompts, shared = setup
     engine = BatchEngine(target, max_batch=3, prefix_cache=PrefixCache())
     reqs = []
     for p in prompts * 2:
         m = compiled.matcher()
-        reqs.append(engine.submit(p, m, drafter=LookupDrafter(m), k_policy=FixedK(4), max_new_tokens=40))
+        reqs.append(engine.submit(p, m, drafter=LookupDrafter(m), k_policy=FixedK(4), max_new_tokens=40,
+                                  prefix_len=shared))
     list(engine.run())
-    assert sum(r.result.stats.prefix_cached_tokens for r in reqs) >= 5 * 2 * BLOCK
+    assert sum(r.result.stats.prefix_cached_tokens for r in reqs) == 5 * shared
     for p, r in zip(prompts * 2, reqs):
-        assert r.result.tokens == run(target, compiled, p, None).tokens
+        assert r.result.tokens == run(target, compiled, p, shared, None).tokens
+
+
+def test_shared_prefix_must_lead_the_prompt(smol):
+    from constrained_spec import InvalidOptionError, generate_json
+
+    with pytest.raises(InvalidOptionError, match="shared_prefix"):
+        generate_json(smol, {"type": "boolean"}, "Is water wet?", shared_prefix="Is fire", max_new_tokens=4)
 
 
 @pytest.mark.slow
 def test_extract_with_and_without_prefix_cache_gives_the_same_records(smol):
-    """The embedded model at its default (native) precision, batched: the same records, and the
-    people prompts' shared template is reused."""
+    """The embedded model at its default (native) precision: the same records one by one and
+    batched, with and without the cache, and the people prompts' shared template is reused."""
     import importlib.util
 
     from constrained_spec.pipelines.extract import extract
@@ -107,6 +112,7 @@ def test_extract_with_and_without_prefix_cache_gives_the_same_records(smol):
     smol.model._constrained_spec_prefix_cache = None  # start cold
     off = [r.to_record() for r in extract(mod.Person, docs, model=smol, batch_size=4, prefix_cache=False)]
     on = [r.to_record() for r in extract(mod.Person, docs, model=smol, batch_size=4)]
+    single = [r.to_record() for r in extract(mod.Person, docs, model=smol)]
     strip = lambda recs: [json.dumps(r.get("value"), sort_keys=True) for r in recs]  # noqa: E731
-    assert strip(on) == strip(off) and all("value" in r for r in on)
-    assert smol.model._constrained_spec_prefix_cache.hits >= 3
+    assert strip(on) == strip(off) == strip(single) and all("value" in r for r in on)
+    assert smol.model._constrained_spec_prefix_cache.hits >= 3 + 4  # batched: 3 after the first; one by one: all 4

@@ -17,7 +17,7 @@ from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
 from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from .kpolicy import FixedK, KPolicy
-from .prefix import BLOCK, PrefixCache, prefill_blocks
+from .prefix import PrefixCache, prefill_prefix
 from .stats import DecodeResult, DecodeStats
 from .verifier import masked_probs, verify_greedy, verify_sampled
 
@@ -62,8 +62,10 @@ class SpeculativeDecoder:
         temperature: 0 for greedy; above 0, exact sampling from the masked target law.
         seed: seeds the one generator the verifier and every drafter share.
         max_new_tokens: the generation limit (also bounded by the model's context).
-        prefix_cache: where the prompt's leading blocks' keys and values are looked up and
-            stored (``decoding.prefix``); None computes them (the same blocks either way).
+        prefix_len: how many leading prompt tokens other requests share (a template, a system
+            prompt): fed first in a forward of their own, and looked up in / stored to
+            ``prefix_cache`` (``decoding.prefix``; the same output with or without a cache).
+        prefix_cache: where shared prefixes' keys and values are kept; None computes them.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         seed: int | None = None,
         max_new_tokens: int = 512,
+        prefix_len: int | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         if not isinstance(matcher, Matcher):
@@ -114,6 +117,7 @@ class SpeculativeDecoder:
         self.max_new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
         self.device = next(target.parameters()).device
         self._batch_invariant = bool(getattr(target, "batch_invariant", False))
+        self.prefix_len = prefix_len
         self.prefix_cache = prefix_cache
         self._prefilled = 0
         self.output: list[int] = []
@@ -161,17 +165,15 @@ class SpeculativeDecoder:
         return single
 
     def start(self) -> None:
-        """Reset the drafter, feed the prompt's whole blocks (from the prefix cache where it has
-        them, see ``decoding.prefix``) and queue the rest: the prompt's last partial block
-        (minus its last token) rides in the first step's verify pass, one forward less."""
+        """Reset the drafter, feed the shared prefix if the request names one (from the prefix
+        cache where it is, see ``decoding.prefix``) and queue the rest: the prompt (minus its
+        last token) rides in the first step's verify pass, one forward less."""
         if self.drafter is not None:
             self.drafter.reset(self.prompt_ids)
         t0 = time.perf_counter()
-        hits = self.prefix_cache.hits if self.prefix_cache is not None else 0
-        self._prefilled = prefill_blocks(self.target, self.cache, self.prompt_ids[:-1], self.prefix_cache,
-                                         self._batch_invariant)
-        if self.prefix_cache is not None:
-            self.stats.prefix_cached_tokens = (self.prefix_cache.hits - hits) * BLOCK
+        self._prefilled, hit = prefill_prefix(self.target, self.cache, self.prompt_ids[:-1], self.prefix_len,
+                                              self.prefix_cache, self._batch_invariant)
+        self.stats.prefix_cached_tokens = self._prefilled if hit else 0
         self.stats.prefill_seconds = time.perf_counter() - t0
         self._pending = self.prompt_ids[self._prefilled : -1]
 

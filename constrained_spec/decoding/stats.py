@@ -37,7 +37,7 @@ class DecodeStats:
     #: Per step: constraint seconds and the step's total seconds (for p50 / p99 and the share).
     constraint_step_seconds: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
-    #: The prompt's passes: its whole blocks (or their copy from the prefix cache) and the
+    #: The prompt's passes: its shared prefix's (or its copy from the prefix cache) and the
     #: first step's pass, which carries the rest and verifies the first draft.
     prefill_seconds: float = 0.0
     #: Prompt tokens whose keys and values came from the prefix cache.

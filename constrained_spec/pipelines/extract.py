@@ -146,12 +146,18 @@ def extract(
     schema_text = json.dumps(loaded.schema)
     prompts = ((doc_id, prompt_template.format(text=text, fields=fields, schema=schema_text))
                for doc_id, text in iter_documents(documents))
+    # The template's text before the document is every prompt's shared prefix: computed once,
+    # then reused from the prefix cache (decoding.prefix).
+    seam = "\x00document\x00"
+    shared = prompt_template.format(text=seam, fields=fields, schema=schema_text).split(seam)[0] or None
     if batch_size > 1:
-        yield from _extract_batched(loaded, prompts, handle, resolve_draft(draft, handle, opts), batch_size, opts)
+        yield from _extract_batched(loaded, prompts, handle, resolve_draft(draft, handle, opts), batch_size, opts,
+                                    shared)
         return
     for doc_id, prompt in prompts:
         try:
-            value, stats = generate_json(handle, loaded, prompt, draft=draft_handle, options=opts, return_stats=True)
+            value, stats = generate_json(handle, loaded, prompt, draft=draft_handle, options=opts, return_stats=True,
+                                         shared_prefix=shared)
         except InvalidSchemaError:
             raise
         except ConstrainedSpecError as e:
@@ -161,7 +167,7 @@ def extract(
 
 
 def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, draft_handle: Any,
-                     batch_size: int, opts: SpecOptions) -> Iterator[ExtractionResult]:
+                     batch_size: int, opts: SpecOptions, shared: str | None) -> Iterator[ExtractionResult]:
     """Every document through one ``BatchEngine``, ``batch_size`` rows at once; documents are
     read as slots free up (at most ``batch_size`` wait), results come out in input order."""
     compiled = compile_constraint(loaded, handle.tokenizer, kind="json", backend=opts.backend,  # type: ignore[arg-type]
@@ -179,12 +185,13 @@ def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], han
                 break
             doc_id, prompt = item
             try:
-                parts = prepare_request(handle, draft_handle, compiled, prompt, opts, "json")
+                parts = prepare_request(handle, draft_handle, compiled, prompt, opts, "json", shared)
             except ConstrainedSpecError as e:
                 order.append((doc_id, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
                 continue
             req = engine.submit(parts.prompt_ids, parts.matcher, drafter=parts.drafter, k_policy=parts.k_policy,
-                                temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens)
+                                temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens,
+                                prefix_len=parts.prefix_len)
             req.decoder.stats.profile = parts.profile
             order.append((doc_id, req))
         while order and (isinstance(order[0][1], ExtractionResult) or order[0][1].done):
