@@ -19,16 +19,7 @@ from constrained_spec.decoding.engine import BatchEngine
 from constrained_spec.drafters import LookupDrafter, ModelDrafter
 from tests.conftest import tiny_llama
 from tests.test_exactness import EOS, MODEL_VOCAB, N, PATTERN, PROMPT, TOKENS, _correction_from_p, exact_law, sample_pvalue
-
-PADDED_VOCAB = 49152 + 64
-SCHEMAS = ["schemas/person.json", "schemas/invoice.json", "schemas/event.json"]
-TEXT = ('Record: name "Maria Gonzalez", age 34, city "Barcelona", occupation "architect". '
-        'Invoice INV-2291 from Acme GmbH dated 2024-03-05, total 1249.50 EUR, paid: true.')
-
-
-@pytest.fixture(scope="module")
-def models():
-    return tiny_llama(PADDED_VOCAB, seed=11, init=0.3), tiny_llama(PADDED_VOCAB, seed=12, init=0.3)
+from tests.test_greedy_identity import SCHEMAS, TEXT, models  # noqa: F401  (models: the float64 target and draft)
 
 
 @pytest.fixture(scope="module")
