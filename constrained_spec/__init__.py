@@ -48,6 +48,7 @@ from .errors import (
     InvalidTokenizerError,
     ModelLoadError,
     OutputValidationError,
+    RepetitionError,
     TokenizerMismatchError,
     TokenLimitError,
     UnsupportedSchemaFeatureError,
@@ -63,7 +64,7 @@ __all__ = sorted([
     "ExtractionResult", "FixedK", "GrammarDrafter", "HybridDrafter", "InvalidOptionError", "InvalidPromptError",
     "InvalidRegexError", "InvalidSchemaError", "InvalidTokenizerError", "JsonSchema", "KPolicy", "K_MAX_PROFILES",
     "LookupDrafter", "Matcher", "ModelDrafter", "ModelHandle", "ModelLoadError", "OutputValidationError",
-    "SpecOptions", "SpeculativeDecoder", "TextStream", "TokenLimitError", "TokenVocabulary",
+    "RepetitionError", "SpecOptions", "SpeculativeDecoder", "TextStream", "TokenLimitError", "TokenVocabulary",
     "TokenizerMismatchError", "UnsupportedSchemaFeatureError", "compile_constraint", "decode", "detect_profile",
     "extract", "generate_json", "generate_regex", "load_model", "load_schema", "optimal_k", "validate_json_output",
 ])

@@ -16,8 +16,18 @@ from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constra
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
 from .decoding.prefix import shared_prefix_length
 from .drafters import Drafter, build_drafter
-from .errors import InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, TokenLimitError
+from .errors import (
+    InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, RepetitionError, TokenLimitError,
+)
 from .models import ModelHandle, check_same_tokenizer, resolve_model
+
+
+def repetition_error(dec: SpeculativeDecoder, tokenizer: Any) -> RepetitionError:
+    """The error of a request the repetition guard stopped: its text, the cycle and the copies."""
+    assert dec.repetition is not None
+    length, copies = dec.repetition
+    return RepetitionError(tokenizer.decode(dec.output, skip_special_tokens=False),
+                           tokenizer.decode(dec.output[-length:], skip_special_tokens=False), copies)
 
 
 def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
@@ -68,6 +78,8 @@ class TextStream:
             yield text[len(self.text):]
             self.text = text
         self.stats = dec.stats
+        if dec.repetition is not None:
+            raise repetition_error(dec, tok)
         if not dec.finished:
             raise TokenLimitError(text, dec.max_new_tokens)
         self.value = self._finish(text)
@@ -126,7 +138,7 @@ def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], Compiled
                             shared_prefix)
     dec = SpeculativeDecoder(handle.model, parts.matcher, parts.prompt_ids, drafter=parts.drafter,
                              k_policy=parts.k_policy, temperature=opts.temperature, seed=opts.seed,
-                             max_new_tokens=opts.max_new_tokens, prefix_len=parts.prefix_len,
+                             max_new_tokens=opts.max_new_tokens, prefix_len=parts.prefix_len, max_repeats=opts.max_repeats,
                              prefix_cache=prefix_cache_for(handle.model) if opts.prefix_cache else None)
     dec.stats.profile = parts.profile
     return handle, dec

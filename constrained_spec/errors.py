@@ -90,6 +90,29 @@ class TokenLimitError(ConstrainedSpecError, RuntimeError):
         )
 
 
+class RepetitionError(TokenLimitError):
+    """The output kept repeating one token cycle with the constraint back in the same state, so
+    decoding stopped early (the repetition guard, option ``max_repeats``; 0 turns it off).
+
+    Attributes:
+        partial_text: the text generated so far (a valid prefix of the language).
+        cycle: the repeated text.
+        repeats: how many copies of it ended the output.
+    """
+
+    def __init__(self, partial_text: str, cycle: str, repeats: int) -> None:
+        self.cycle = cycle
+        self.repeats = repeats
+        ConstrainedSpecError.__init__(
+            self,
+            f"Generation stopped: the output repeated {cycle!r} {repeats} times with the constraint in the same "
+            f"state (a loop that would run to the token limit); raise or disable it with max_repeats (0 = off). "
+            f"Partial output: {partial_text[-200:]!r}",
+        )
+        self.partial_text = partial_text
+        self.max_new_tokens = 0
+
+
 class OutputValidationError(ConstrainedSpecError, RuntimeError):
     """The finished output failed validation against the original schema (never returned silently)."""
 

@@ -18,6 +18,7 @@ from ..drafters import Draft, Drafter
 from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from .kpolicy import FixedK, KPolicy
 from .prefix import PrefixCache, prefill_prefix
+from .repetition import repeated_cycle
 from .stats import DecodeResult, DecodeStats
 from .verifier import masked_probs, verify_greedy, verify_sampled
 
@@ -66,6 +67,8 @@ class SpeculativeDecoder:
             prompt): fed first in a forward of their own, and looked up in / stored to
             ``prefix_cache`` (``decoding.prefix``; the same output with or without a cache).
         prefix_cache: where shared prefixes' keys and values are kept; None computes them.
+        max_repeats: stop when the output ends in this many copies of one token cycle with the
+            constraint in the same state after each (``decoding.repetition``); 0: never.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class SpeculativeDecoder:
         max_new_tokens: int = 512,
         prefix_len: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        max_repeats: int = 0,
     ) -> None:
         if not isinstance(matcher, Matcher):
             raise InvalidOptionError(
@@ -117,6 +121,11 @@ class SpeculativeDecoder:
         self.max_new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
         self.device = next(target.parameters()).device
         self._batch_invariant = bool(getattr(target, "batch_invariant", False))
+        self.max_repeats = max_repeats
+        #: The matcher state after each output token (for the repetition guard).
+        self._states: list[State] = []
+        #: (cycle length, copies) when the repetition guard stopped the request.
+        self.repetition: tuple[int, int] | None = None
         self.prefix_len = prefix_len
         self.prefix_cache = prefix_cache
         self._prefilled = 0
@@ -238,6 +247,17 @@ class SpeculativeDecoder:
         self.output.extend(emitted)
         if not self.finished and self.matcher.is_done(self.state):
             self.finished = True  # only EOS is left: target-only decoding would emit it with p = 1
+        if self.max_repeats:
+            self._states.extend(draft.states[1 : n + 1])
+            if len(self._states) < len(self.output):
+                self._states.append(self.state)  # after y
+            if not self.finished:
+                cycle = repeated_cycle(self.output, self._states, self.max_repeats, self.matcher)
+                if cycle is not None:
+                    copies = 1
+                    while self.output[-(copies + 1) * cycle : -copies * cycle] == self.output[-cycle:]:
+                        copies += 1
+                    self.repetition = (cycle, copies)
         t6 = time.perf_counter()
         # 6. Book-keeping for the K policy and the stats.
         self.k_policy.update(draft.token_kinds(), n, None if first else forward_seconds, plan.t1 - plan.t0)
@@ -276,8 +296,8 @@ class SpeculativeDecoder:
 
     @property
     def done(self) -> bool:
-        """Whether decoding has stopped: EOS, only EOS left, or the token limit."""
-        return self.finished or len(self.output) >= self.max_new_tokens
+        """Whether decoding has stopped: EOS, only EOS left, the token limit, or a loop."""
+        return self.finished or len(self.output) >= self.max_new_tokens or self.repetition is not None
 
     def begin(self) -> None:
         """Start the clock and queue the prompt (see ``start``); a request whose constraint
@@ -290,7 +310,7 @@ class SpeculativeDecoder:
     def close(self) -> None:
         """Final book-keeping once ``done``: at the limit, a complete member of the language is a
         valid result; the figures are filled in."""
-        if not self.finished and self.matcher.is_final(self.state):
+        if not self.finished and self.repetition is None and self.matcher.is_final(self.state):
             self.finished = True
         self.stats.output_tokens = len(self.output)
         self.stats.finished = self.finished

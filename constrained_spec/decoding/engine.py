@@ -97,7 +97,7 @@ class BatchEngine:
 
     def submit(self, prompt_ids: list[int], matcher: Matcher, *, drafter: Drafter | None = None,
                k_policy: KPolicy | None = None, temperature: float = 0.0, seed: int | None = None,
-               max_new_tokens: int = 512, prefix_len: int | None = None,
+               max_new_tokens: int = 512, prefix_len: int | None = None, max_repeats: int = 0,
                on_tokens: Callable[[list[int]], None] | None = None) -> Request:
         """Queue a request (a fresh ``compiled.matcher()`` and, optionally, a drafter walking it;
         options as in ``SpeculativeDecoder``, which checks them now; ``prefix_len``: the prompt
@@ -105,7 +105,7 @@ class BatchEngine:
         step with a free slot."""
         dec = SpeculativeDecoder(self.target, matcher, prompt_ids, drafter=drafter, k_policy=k_policy,
                                  temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                                 prefix_len=prefix_len, prefix_cache=self.prefix_cache)
+                                 prefix_len=prefix_len, prefix_cache=self.prefix_cache, max_repeats=max_repeats)
         req = Request(next(self._ids), dec, on_tokens)
         self.waiting.append(req)
         return req

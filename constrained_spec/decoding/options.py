@@ -42,8 +42,11 @@ class SpecOptions:
             in ``stats.relaxed``; the output is still validated against the full schema).
         whitespace: the JSON layout: "canonical" (``json.dumps`` style, the default), "flexible",
             "compact", or a whitespace regex.
-        prefix_cache: reuse the keys and values of prompt blocks that earlier requests on the
-            same model computed (``decoding.prefix``; outputs are identical either way).
+        prefix_cache: reuse the keys and values of a shared prompt prefix that earlier requests
+            on the same model computed (``decoding.prefix``; outputs are identical either way).
+        max_repeats: stop a request whose output ends in this many copies of one token cycle
+            with the constraint in the same state after each (a loop that would run to the
+            token limit) with ``RepetitionError``; 0 turns the guard off.
 
     Raises ``InvalidOptionError`` (a ``ValueError``) naming the option when a value is bad.
 
@@ -65,6 +68,7 @@ class SpecOptions:
     lenient: bool = False
     whitespace: str = DEFAULT_JSON_WHITESPACE
     prefix_cache: bool = True
+    max_repeats: int = 8
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTER_NAMES:
@@ -74,6 +78,8 @@ class SpecOptions:
             raise InvalidOptionError(f"Invalid k_max: expected an integer >= 0 or None, got {self.k_max!r}.")
         if not isinstance(self.adaptive, bool):
             raise InvalidOptionError(f"Invalid adaptive: expected True or False, got {self.adaptive!r}.")
+        if not _is_int(self.max_repeats) or self.max_repeats < 0:
+            raise InvalidOptionError(f"Invalid max_repeats: expected an integer >= 0 (0: off), got {self.max_repeats!r}.")
         if not isinstance(self.prefix_cache, bool):
             raise InvalidOptionError(f"Invalid prefix_cache: expected True or False, got {self.prefix_cache!r}.")
         if self.profile is not None and self.profile not in K_MAX_PROFILES:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from ..api import generate_json, prepare_request, resolve_draft, validate_json_output
+from ..api import generate_json, prepare_request, repetition_error, resolve_draft, validate_json_output
 from ..constraint import JsonSchema, compile_constraint, load_schema
 from ..decoding import BatchEngine, Request, SpecOptions
 from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidSchemaError, TokenLimitError
@@ -191,7 +191,7 @@ def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], han
                 continue
             req = engine.submit(parts.prompt_ids, parts.matcher, drafter=parts.drafter, k_policy=parts.k_policy,
                                 temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens,
-                                prefix_len=parts.prefix_len)
+                                prefix_len=parts.prefix_len, max_repeats=opts.max_repeats)
             req.decoder.stats.profile = parts.profile
             order.append((doc_id, req))
         while order and (isinstance(order[0][1], ExtractionResult) or order[0][1].done):
@@ -213,6 +213,8 @@ def _engine_result(doc_id: str, req: Request, handle: Any, loaded: JsonSchema, o
     try:
         if req.error is not None:
             raise req.error
+        if req.decoder.repetition is not None:
+            raise repetition_error(req.decoder, handle.tokenizer)
         if not res.finished:
             raise TokenLimitError(text, opts.max_new_tokens)
         value = validate_json_output(text, loaded)

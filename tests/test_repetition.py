@@ -1,0 +1,96 @@
+"""The repetition guard: fires within a few cycles on a loop, on both backends, in the engine
+and in extract; never on a cycle that the constraint's state tells apart, nor below its span."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from constrained_spec import RepetitionError, TokenLimitError
+from constrained_spec.constraint import TokenVocabulary, compile_constraint
+from constrained_spec.decoding import FixedK, decode
+from constrained_spec.decoding.engine import BatchEngine
+from constrained_spec.decoding.repetition import MIN_SPAN, repeated_cycle
+from constrained_spec.drafters import LookupDrafter
+from tests.conftest import tiny_llama
+
+EOS = 0
+TOKENS = {1: b"a", 2: b"b", 3: b"c", 4: b"x"}
+VOCAB = TokenVocabulary.build(TOKENS, EOS, size=5)
+PROMPT = [4, 1, 2, 3, 4]
+
+
+class FakeMatcher:
+    """Each state allows other tokens (a counter's states would differ near its bound)."""
+
+    def is_final(self, s):
+        return False
+
+    def allowed_mask(self, s):
+        return torch.tensor([bool((s >> i) & 1) for i in range(5)])
+
+
+@pytest.mark.parametrize("tokens, states, repeats, expected", [
+    ([9] + [1, 2] * 8, [0] + [1, 0] * 8, 8, 2),  # 8 copies of "ab", the state back each time
+    ([9] + [1, 2] * 7, [0] + [1, 0] * 7, 8, None),  # 7 copies
+    ([9] + [1, 2] * 8, [0] + list(range(1, 17)), 8, None),  # the state moves on (a counter): no loop
+    ([1] * (MIN_SPAN - 1), [0] * (MIN_SPAN - 1), 8, None),  # "0000..." shorter than the span
+    ([1] * MIN_SPAN, [0] * MIN_SPAN, 8, 1),
+    ([1, 2] * 20, [1, 0] * 20, 0, None),  # off
+])
+def test_repeated_cycle(tokens, states, repeats, expected):
+    assert repeated_cycle(tokens, states, repeats, FakeMatcher()) == expected
+
+
+def looping_target():
+    """A tiny target that prefers "a" and "b" to anything else: under x?(ab)*c it loops on "ab"."""
+    target = tiny_llama(6, seed=3)
+    bias = torch.zeros(6, dtype=torch.float64)
+    bias[1] = bias[2] = 50.0
+    target.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    return target
+
+
+@pytest.mark.parametrize("backend", ["outlines-core", "llguidance"])
+def test_a_loop_is_stopped_within_a_few_cycles(backend):
+    target = looping_target()
+    compiled = compile_constraint(r"x?(ab)*c", VOCAB, kind="regex", backend=backend)
+    m = compiled.matcher()
+    res = decode(target, m, PROMPT, drafter=LookupDrafter(m), k_policy=FixedK(3), max_new_tokens=300, max_repeats=8)
+    assert not res.finished and 16 <= len(res.tokens) <= 16 + 4  # stopped at the first check past 8 copies
+    assert res.tokens[:16] == [1, 2] * 8
+    off = decode(target, compiled.matcher(), PROMPT, max_new_tokens=60, max_repeats=0)
+    assert len(off.tokens) == 60 and not off.finished  # without the guard it runs to the limit
+
+
+def test_the_error_names_the_cycle_and_is_a_token_limit_error():
+    from constrained_spec.api import repetition_error
+    from constrained_spec.decoding import SpeculativeDecoder
+
+    compiled = compile_constraint(r"x?(ab)*c", VOCAB, kind="regex")
+    dec = SpeculativeDecoder(looping_target(), compiled.matcher(), PROMPT, max_new_tokens=300, max_repeats=8)
+    for _ in dec.run():
+        pass
+    assert dec.repetition == (2, 8) and not dec.finished
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(TOKENS[i].decode() for i in ids)
+
+    err = repetition_error(dec, Tok())
+    assert isinstance(err, RepetitionError) and isinstance(err, TokenLimitError)
+    assert err.cycle == "ab" and err.repeats == 8 and err.partial_text == "ab" * 8
+    assert "max_repeats" in str(err)
+
+
+def test_engine_stops_the_looping_row_and_keeps_the_others():
+    target = looping_target()
+    compiled = compile_constraint(r"x?(ab)*c", VOCAB, kind="regex")
+    plain = compile_constraint(r"x(a|b){2,5}c", VOCAB, kind="regex")
+    engine = BatchEngine(target, max_batch=2, prefix_cache=False)
+    loop = engine.submit(PROMPT, compiled.matcher(), max_new_tokens=300, max_repeats=8)
+    fine = engine.submit(PROMPT, plain.matcher(), max_new_tokens=300, max_repeats=8)
+    list(engine.run())
+    assert loop.decoder.repetition == (2, 8) and len(loop.result.tokens) == 16
+    assert fine.decoder.repetition is None and fine.result.finished
+    assert fine.result.tokens == decode(target, plain.matcher(), PROMPT, max_new_tokens=300).tokens
