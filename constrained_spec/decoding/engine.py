@@ -80,7 +80,9 @@ class BatchEngine:
         self.max_batch = max_batch
         self.device = next(target.parameters()).device
         context = getattr(target.config, "max_position_embeddings", None) or 4096
-        self.cache = RowCache(target.config.num_hidden_layers, max_batch, context)
+        invariant = bool(getattr(target, "batch_invariant", False))
+        self.cache = RowCache(target.config.num_hidden_layers, max_batch, context,
+                              dtype=torch.float64 if invariant else None)
         self.prefix_cache = (prefix_cache_for(target) if prefix_cache is True else
                              prefix_cache if isinstance(prefix_cache, PrefixCache) else None)
         self.waiting: list[Request] = []

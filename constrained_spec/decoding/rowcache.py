@@ -35,14 +35,20 @@ class RowCache(Cache):
         slots: the most rows at once.
         max_capacity: positions per row at most (the model's context).
         capacity: positions per row allocated at first (doubled as rows grow).
+        dtype: the buffers' dtype; None: the keys' own. A batch-invariant model attends in
+            float64 (``models.invariant``), so its keys and values are kept in float64 (exact
+            copies of the float32 ones): each step then converts only its new tokens, not every
+            row's whole cache in every layer.
     """
 
-    def __init__(self, num_layers: int, slots: int, max_capacity: int, capacity: int = 256) -> None:
+    def __init__(self, num_layers: int, slots: int, max_capacity: int, capacity: int = 256,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__(layers=[])
         self.num_layers = num_layers
         self.slots = slots
         self.max_capacity = max_capacity
         self.capacity = min(capacity, max_capacity)
+        self.dtype = dtype
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.active = 0
         self.keys: list[torch.Tensor | None] = [None] * num_layers
@@ -54,6 +60,8 @@ class RowCache(Cache):
         """Write the active rows' new keys / values (``[active, kv_heads, q, head_dim]``) at each
         row's own length; return every active row's keys / values up to the longest row."""
         b, heads, q, dim = key_states.shape
+        if self.dtype is not None:
+            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         if self.keys[layer_idx] is None:
             shape = (self.slots, heads, self.capacity, dim)
             self.keys[layer_idx] = key_states.new_zeros(shape)  # zeros: stale slots stay finite
@@ -102,6 +110,8 @@ class RowCache(Cache):
         self.reserve(length)
         for i, layer in enumerate(cache.layers):
             k, v = layer.keys, layer.values
+            if self.dtype is not None:
+                k, v = k.to(self.dtype), v.to(self.dtype)
             if self.keys[i] is None:
                 shape = (self.slots, k.shape[1], self.capacity, k.shape[3])
                 self.keys[i], self.values[i] = k.new_zeros(shape), v.new_zeros(shape)
