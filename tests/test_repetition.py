@@ -94,3 +94,22 @@ def test_engine_stops_the_looping_row_and_keeps_the_others():
     assert loop.decoder.repetition == (2, 8) and len(loop.result.tokens) == 16
     assert fine.decoder.repetition is None and fine.result.finished
     assert fine.result.tokens == decode(target, plain.matcher(), PROMPT, max_new_tokens=300).tokens
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_extract_records_the_loop_as_its_own_error_kind(smol, batch_size):
+    """A model that writes "a" forever inside a JSON string: each document's record carries the
+    kind RepetitionError (one by one and in the engine), and the run goes on."""
+    from constrained_spec import ModelHandle, extract
+
+    target = tiny_llama(49152, seed=5)
+    a = smol.tokenizer.convert_tokens_to_ids("a")
+    bias = torch.zeros(49152, dtype=torch.float64)
+    bias[a] = 50.0
+    target.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    handle = ModelHandle(target, smol.tokenizer, "looping")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    records = [r.to_record() for r in extract(schema, ["Maria", "Tom", "Aisha"], model=handle, batch_size=batch_size,
+                                              drafter="none", max_new_tokens=200)]
+    assert [r["error"]["kind"] for r in records] == ["RepetitionError"] * 3
+    assert all("'a'" in r["error"]["message"] for r in records)
