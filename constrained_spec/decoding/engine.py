@@ -68,7 +68,7 @@ class BatchEngine:
         max_batch: the most rows decoded at once; more requests wait for a free slot.
         precision, profile: pick the forward-cost prior of the step budget (``decoding.budget``);
             None: the target's dtype and the detected profile.
-        prefix_cache: the prompt blocks' key / value cache requests share (``decoding.prefix``):
+        prefix_cache: where requests' shared prompt prefixes are kept (``decoding.prefix``):
             True for the model's shared one, False for none, or a ``PrefixCache``.
     """
 
@@ -227,10 +227,11 @@ class BatchEngine:
         self.batch_forwards += 1
         self.cost.add(b * width, seconds)
         column = {r: j for j, r in enumerate(needed)}
+        vocab = logits.shape[-1] if logits is not None else int(self.target.config.vocab_size)
+        dtype = logits.dtype if logits is not None else torch.float32
         for i, p in live:
             req = self.active[i]
-            rows = torch.zeros(len(p.tokens), logits.shape[-1] if logits is not None else self._vocab(),
-                               dtype=logits.dtype if logits is not None else torch.float32)
+            rows = torch.zeros(len(p.tokens), vocab, dtype=dtype)
             for r in p.rows:
                 rows[r] = logits[i, column[r]]
             try:
@@ -253,6 +254,3 @@ class BatchEngine:
         min_width = max([1, *[len(p.tokens) for i, p in live if i not in cuttable]])
         width = choose_width(survivals, min_width, b, self.cost)
         return [(i, p.cut(width - 1) if i in cuttable else p) for i, p in live]
-
-    def _vocab(self) -> int:
-        return int(self.target.config.vocab_size)

