@@ -34,12 +34,30 @@ def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
     """Token ids of ``prompt``, through the model's chat template when it has one."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidPromptError(f"Invalid prompt: expected a non-empty string, got {prompt!r}.")
+    if getattr(handle.tokenizer, "chat_template", None):
+        return encode_chat(handle, [{"role": "user", "content": prompt}])
+    return encode_text(handle, prompt)
+
+
+def encode_chat(handle: ModelHandle, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation (``[{"role", "content"}, ...]``) through the model's chat
+    template, ready for the assistant's reply."""
     tok = handle.tokenizer
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tok(prompt)["input_ids"]
+    if not getattr(tok, "chat_template", None):
+        raise InvalidPromptError("Invalid messages: the model has no chat template; send a plain prompt instead.")
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return _fit(handle, tok(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_text(handle: ModelHandle, text: str) -> list[int]:
+    """Token ids of ``text`` as it is, without the chat template (a completion prompt)."""
+    if not isinstance(text, str) or not text:
+        raise InvalidPromptError(f"Invalid prompt: expected a non-empty string, got {text!r}.")
+    return _fit(handle, handle.tokenizer(text)["input_ids"])
+
+
+def _fit(handle: ModelHandle, ids: list[int]) -> list[int]:
+    """``ids`` as a list, or ``InvalidPromptError`` when they leave no room in the context."""
     ctx = handle.context_length
     if ctx is not None and len(ids) >= ctx:
         raise InvalidPromptError(
@@ -101,12 +119,14 @@ class RequestParts:
 
 
 def prepare_request(handle: ModelHandle, draft_handle: ModelHandle | None, compiled: CompiledConstraint,
-                    prompt: str, opts: SpecOptions, task: str, shared_prefix: str | None = None) -> RequestParts:
+                    prompt: str, opts: SpecOptions, task: str, shared_prefix: str | None = None,
+                    prompt_ids: list[int] | None = None) -> RequestParts:
     """Encode the prompt and build the request's matcher, drafter and K policy (every check
     that can fail before a forward). ``shared_prefix``: the leading text of ``prompt`` that
-    other requests share (see ``decoding.prefix``)."""
+    other requests share (see ``decoding.prefix``). ``prompt_ids``: the prompt already encoded
+    (a conversation, say); ``prompt`` is then only the text drafters copy from."""
     matcher = compiled.matcher()
-    prompt_ids = encode_prompt(handle, prompt)
+    prompt_ids = encode_prompt(handle, prompt) if prompt_ids is None else prompt_ids
     prefix_len = None
     if shared_prefix:
         if not isinstance(shared_prefix, str) or not prompt.startswith(shared_prefix):

@@ -46,7 +46,7 @@ StreamOpt = typer.Option(False, "--stream", help="Print the text as tokens are a
 ProfileOpt = typer.Option(None, "--profile", help="Hardware profile for K_max: cpu, a100-80gb, h100-80gb, h100-80gb-x8, gb200-nvl72 (default: $CONSTRAINED_SPEC_PROFILE or detected).")
 AdaptiveOpt = typer.Option(True, "--adaptive/--no-adaptive", help="Choose K per step from measured acceptance and cost (--no-adaptive: K = k-max every step).")
 DtypeOpt = typer.Option(None, "--dtype", help="Model dtype, e.g. float32 or bfloat16 (default: float32 on CPU, bfloat16 on GPU).")
-PrecisionOpt = typer.Option(None, "--precision", help="float32, bfloat16, or native (the embedded GGUF's 4-bit layers on the int4 kernel; experimental).")
+PrecisionOpt = typer.Option(None, "--precision", help="native (the embedded GGUF's 4-bit layers on the int4 kernel; the CPU default), float32 or bfloat16 (the GPU default).")
 WhitespaceOpt = typer.Option("canonical", "--whitespace", help="JSON layout: canonical (json.dumps style), flexible, compact, or a whitespace regex.")
 LenientOpt = typer.Option(False, "--lenient", help="llguidance: relax keywords it cannot enforce (listed with --stats); the output is still validated.")
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
@@ -396,13 +396,22 @@ def bench_cmd(
     outlines_reference: bool = typer.Option(True, "--outlines/--no-outlines", help="Include outlines' transformers generator as a reference row."),
     llama_cpp: bool = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="Include llama.cpp's grammar path on the embedded GGUF as a reference row (where llama-cpp-python is installed)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of tokens over time and K per step."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of tokens over time and K per step (with --batch: tokens/s against batch size)."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Comma-separated batch sizes, e.g. 1,4,16,64: the batch sweep instead (whole extraction jobs on --documents)."),
+    documents: Optional[Path] = typer.Option(None, "--documents", help="With --batch: JSONL of {id, text, expected?}; default: the 64 people documents shipped in the package."),
 ) -> None:
     """Target-only vs every drafter and K policy on the extraction prompts, side by side in one run.
 
     Example: constrained-spec bench --json bench-results.json --plot bench.png
+
+    With --batch: batched target-only, with and without the prefix cache, and batched speculation
+    at each batch size, on whole extraction jobs. Example: constrained-spec bench --batch 1,4,16,64 --plot batch.png
     """
     from .pipelines.bench import DEFAULT_PROMPTS, default_configs, plot_trace, run_bench
+
+    if batch is not None:
+        _run_guarded(lambda: _batch_sweep(batch, model, dtype, precision, documents, limit, json_out, plot))
+        return
 
     def go() -> None:
         try:
@@ -441,6 +450,95 @@ def bench_cmd(
             err.print(f"plot written to {plot_trace(report, plot)}")
 
     _run_guarded(go)
+
+
+@app.command("serve")
+def serve_cmd(
+    model: Optional[str] = ModelOpt,
+    precision: Optional[str] = PrecisionOpt,
+    dtype: Optional[str] = DtypeOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8000, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CONSTRAINED_SPEC_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health (or set $CONSTRAINED_SPEC_API_KEY)."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded at once (one target forward per step for all)."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; beyond it: 429 with Retry-After."),
+    request_timeout: float = typer.Option(120.0, "--request-timeout", help="Seconds a request may take in all (504 past it)."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM: seconds to finish the requests in flight."),
+    drafter: str = DrafterOpt,
+    profile: Optional[str] = ProfileOpt,
+) -> None:
+    """An OpenAI-compatible server for constrained generation that fails closed (needs the
+    'server' extra: pip install 'constrained_spec\\[server]').
+
+    Example: constrained-spec serve --port 8000, then with the openai client:
+    OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none").chat.completions.create(...)
+    """
+    def go() -> None:
+        try:
+            import uvicorn
+
+            from .serving import ServerConfig, create_app
+        except ImportError as e:
+            raise InvalidOptionError(f"serve needs the server extra ({e.name} is missing): "
+                                     "pip install 'constrained_spec[server]'") from None
+        from .decoding import SpecOptions
+        from .models import resolve_model
+
+        for name, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--port", port)):
+            if value < (0 if name == "--max-queue" else 1):
+                raise InvalidOptionError(f"Invalid {name}: {value}.")
+        options = SpecOptions(drafter=drafter, profile=profile)  # type: ignore[arg-type]
+        handle = resolve_model(_model_arg(model, dtype, precision))
+        config = ServerConfig(max_batch=max_batch, max_queue=max_queue, request_timeout=request_timeout,
+                              api_key=api_key or None)
+        err.print(f"serving {handle.name} ({handle.precision}) on http://{host}:{port}/v1"
+                  f"{' (API key required)' if api_key else ''}")
+        uvicorn.run(create_app(handle, options=options, config=config), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=shutdown_timeout)
+
+    _run_guarded(go)
+
+
+def _batch_sweep(batch: str, model: Optional[str], dtype: Optional[str], precision: Optional[str],
+                 documents: Optional[Path], limit: Optional[int], json_out: Optional[Path], plot: Optional[Path]) -> None:
+    """``bench --batch``: the sweep of ``pipelines.batch_bench``, printed as a table."""
+    from .pipelines.batch_bench import DEFAULT_DOCUMENTS, plot_sweep, run_batch_sweep
+
+    try:
+        sizes = [int(b) for b in batch.split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise InvalidOptionError(f"Invalid --batch: expected comma-separated integers >= 1, got {batch!r}.")
+    report = run_batch_sweep(sizes, model=_model_arg(model, dtype, precision), documents=documents or DEFAULT_DOCUMENTS,
+                             limit=limit, progress=lambda line: err.print(f"[dim]{line}[/]"))
+    table = Table(title=f"{report['model']}: {report['documents']} extraction documents, greedy, whole jobs "
+                        "(latency: admission to last token)")
+    cols = {"config": "config", "tokens_per_second": "tok/s", "decode_tokens_per_second": "decode tok/s",
+            "prompt_pass_seconds": "prompt s", "latency_p50_s": "p50 s", "latency_p99_s": "p99 s",
+            "target_forwards_per_token": "fwd/tok", "acceptance_by_kind": "accepted by kind",
+            "kv_cache_mib": "KV MiB", "identical_to_per_document_target_only": "identical", "errors": "errors"}
+    for header in cols.values():
+        table.add_column(header, justify="left" if header in ("config", "accepted by kind") else "right", no_wrap=True)
+    for row in report["rows"]:
+        cells = [" ".join(f"{k} {x:.2f}" for k, x in v.items()) if isinstance(v, dict) else "-" if v is None else str(v)
+                 for v in (row[c] for c in cols)]
+        table.add_row(*cells)
+    console = Console(width=max(180, Console().width))
+    console.print(table)
+    ratios = Table(title="speculative + prefix cache, as a multiple of")
+    for header in ("batch", "target-only (job tok/s)", "target-only + prefix (decode tok/s)",
+                   "latency p50 (vs target-only + prefix)"):
+        ratios.add_column(header, justify="right")
+    for r in report["ratios"]:
+        ratios.add_row(str(r["batch_size"]), f"{r['job_vs_target_only']:.2f}x",
+                       f"{r['decode_vs_target_only_prefix']:.2f}x", f"{r['latency_p50_vs_target_only_prefix']:.2f}x")
+    console.print(ratios)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2, default=str))
+        err.print(f"figures written to {json_out}")
+    if plot:
+        err.print(f"plot written to {plot_sweep(report, plot)}")
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """``compile_constraint``: the one front door from a schema or pattern to a cached ``CompiledConstraint``.
 
-One cache and one lock for every backend, keyed by (backend, vocabulary fingerprint, kind, the
+One LRU-bounded cache and one lock for every backend, keyed by (backend, vocabulary fingerprint, kind, the
 normalized schema or pattern, layout, lenient). A compile that must finish within ``timeout_s``
 runs first in a spawned worker process that is killed on time-out, so nothing is left running.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from typing import Any, Literal
 
 from ..errors import InvalidOptionError, InvalidRegexError
@@ -28,7 +29,9 @@ BACKENDS: tuple[str, ...] = ("auto", "outlines-core", "llguidance")
 #: See the README's "Constraint backends".
 AUTO_BACKEND = "llguidance"
 
-_CACHE: dict[tuple, CompiledConstraint] = {}
+#: Compiled constraints kept, least recently used dropped first (a server sees many schemas).
+CACHE_ENTRIES = 256
+_CACHE: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
 _LOCK = threading.Lock()
 
 
@@ -84,14 +87,19 @@ def compile_constraint(
     key = (backend, vocab.fingerprint, kind, key_text, whitespace if kind == "json" else "", lenient)
     with _LOCK:
         hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
     if timeout_s is not None:
         _check_in_time(source, tokenizer, timeout_s=timeout_s, kind=kind, backend=backend, lenient=lenient,
                        whitespace=whitespace)
     compiled = _compile(source, tokenizer, vocab, kind=kind, backend=backend, lenient=lenient, whitespace=whitespace)
     with _LOCK:
-        return _CACHE.setdefault(key, compiled)
+        compiled = _CACHE.setdefault(key, compiled)
+        _CACHE.move_to_end(key)
+        while len(_CACHE) > CACHE_ENTRIES:
+            _CACHE.popitem(last=False)
+        return compiled
 
 
 def _compile(source: Any, tokenizer: Any, vocab: Any, *, kind: str, backend: str, lenient: bool,

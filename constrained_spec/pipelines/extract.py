@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 
 from ..api import generate_json, prepare_request, repetition_error, resolve_draft, validate_json_output
 from ..constraint import JsonSchema, compile_constraint, load_schema
-from ..decoding import BatchEngine, Request, SpecOptions
+from ..decoding import BatchEngine, DecodeStats, Request, SpecOptions
 from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidSchemaError, TokenLimitError
 from ..models import resolve_model
 
@@ -39,6 +39,8 @@ class ExtractionResult:
     value: Any = None
     error: dict[str, str] | None = None
     stats: dict[str, Any] | None = None
+    #: Every figure of the decode (``DecodeStats``), for benchmarks; not part of the record.
+    decode_stats: DecodeStats | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -116,6 +118,7 @@ def extract(
     draft: Any = None,
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
     batch_size: int = 1,
+    engine: BatchEngine | None = None,
     options: SpecOptions | None = None,
     **option_values: Any,
 ) -> Iterator[ExtractionResult]:
@@ -131,6 +134,9 @@ def extract(
             to ``batch_size`` documents, each speculating with its own drafter and K, a finished
             document's slot taken at once by the next. Greedy records equal the one-by-one ones
             with a batch-invariant model (native precision, the CPU default).
+        engine: a ``BatchEngine`` on the same model to run on instead of a new one (kept across
+            calls, its K estimates and cost fit stay warm; its ``max_batch`` rows decode at once
+            and its prefix cache is used); ``batch_size`` is then ignored.
         options, option_values: a ``SpecOptions`` and keyword overrides, as in ``generate_json``;
             checked here, before any document, on both paths.
     """
@@ -150,9 +156,12 @@ def extract(
     # then reused from the prefix cache (decoding.prefix).
     seam = "\x00document\x00"
     shared = prompt_template.format(text=seam, fields=fields, schema=schema_text).split(seam)[0] or None
-    if batch_size > 1:
-        yield from _extract_batched(loaded, prompts, handle, resolve_draft(draft_handle, handle, opts), batch_size, opts,
-                                    shared)
+    if engine is not None and engine.target is not handle.model:
+        raise InvalidOptionError("Invalid engine: it runs another model than the one given.")
+    if batch_size > 1 or engine is not None:
+        yield from _extract_batched(loaded, prompts, handle, resolve_draft(draft_handle, handle, opts), opts, shared,
+                                    engine or BatchEngine(handle.model, max_batch=batch_size, precision=handle.precision,
+                                                          profile=opts.profile, prefix_cache=opts.prefix_cache))
         return
     for doc_id, prompt in prompts:
         try:
@@ -163,17 +172,16 @@ def extract(
         except ConstrainedSpecError as e:
             yield ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
             continue
-        yield ExtractionResult(doc_id, value=value, stats=_brief(stats))
+        yield ExtractionResult(doc_id, value=value, stats=_brief(stats), decode_stats=stats)
 
 
 def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, draft_handle: Any,
-                     batch_size: int, opts: SpecOptions, shared: str | None) -> Iterator[ExtractionResult]:
-    """Every document through one ``BatchEngine``, ``batch_size`` rows at once; documents are
-    read as slots free up (at most ``batch_size`` wait), results come out in input order."""
+                     opts: SpecOptions, shared: str | None, engine: BatchEngine) -> Iterator[ExtractionResult]:
+    """Every document through ``engine``, ``max_batch`` rows at once; documents are read as
+    slots free up (at most ``max_batch`` wait), results come out in input order."""
     compiled = compile_constraint(loaded, handle.tokenizer, kind="json", backend=opts.backend,  # type: ignore[arg-type]
                                   lenient=opts.lenient, whitespace=opts.whitespace)
-    engine = BatchEngine(handle.model, max_batch=batch_size, precision=handle.precision, profile=opts.profile,
-                         prefix_cache=opts.prefix_cache)
+    batch_size = engine.max_batch
     order: deque[tuple[str, Request | ExtractionResult]] = deque()
     documents = iter(prompts)
     more = True
@@ -219,8 +227,8 @@ def _engine_result(doc_id: str, req: Request, handle: Any, loaded: JsonSchema, o
             raise TokenLimitError(text, opts.max_new_tokens)
         value = validate_json_output(text, loaded)
     except ConstrainedSpecError as e:
-        return ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
-    return ExtractionResult(doc_id, value=value, stats=_brief(res.stats))
+        return ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)}, decode_stats=res.stats)
+    return ExtractionResult(doc_id, value=value, stats=_brief(res.stats), decode_stats=res.stats)
 
 
 def _brief(stats: Any) -> dict[str, Any]:

@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP app: ``create_app(model, ...)`` -> a FastAPI application.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /metrics``. Every generation runs on one ``BatchEngine`` in its own thread
+(``serving.worker``): requests decode together, each speculating, and join and leave between steps.
+
+Fail closed: a request is answered 200 only with output that satisfies the constraint it asked
+for (or with ``finish_reason: "length"`` and ``constrained_spec.valid: false`` when the token limit
+came first). Anything the server cannot enforce is a 400 naming it (``serving.protocol``); an
+output that fails the final validation is withheld (500), never sent as valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+import uuid
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..api import encode_chat, encode_text, prepare_request, validate_json_output
+from ..constraint import CompiledConstraint, JsonSchema, compile_constraint, load_schema
+from ..decoding import BatchEngine, DecodeStats, SpecOptions
+from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidPromptError, OutputValidationError
+from ..models import ModelHandle, resolve_model
+from .metrics import ServerMetrics
+from .protocol import FREE_TEXT, ApiError, ConstraintSpec, Parsed, parse_body
+from .worker import EngineWorker, Job, QueueFull
+
+#: Compiled constraints the app keeps (with their loaded schemas and checks), least recent dropped.
+COMPILED_ENTRIES = 256
+
+
+@dataclass
+class ServerConfig:
+    """How the server runs. ``max_queue``: requests that may wait for a slot beyond the
+    ``max_batch`` decoding; more are answered 429. ``request_timeout``: seconds a request may
+    take in all. ``compile_timeout``: seconds a constraint may take to compile."""
+
+    max_batch: int = 16
+    max_queue: int = 64
+    request_timeout: float = 120.0
+    compile_timeout: float = 10.0
+    max_tokens_default: int = 512
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    compiled: CompiledConstraint
+    schema: JsonSchema | None
+    checker: re.Pattern[str] | None
+
+
+def create_app(model: Any = None, *, options: SpecOptions | None = None, config: ServerConfig | None = None) -> FastAPI:
+    """The app serving ``model`` (a ``ModelHandle``, id or path; None: the embedded default).
+    ``options``: the defaults of every request (a request's own fields override them)."""
+    handle: ModelHandle = resolve_model(model)
+    base = options or SpecOptions()
+    cfg = config or ServerConfig()
+    state: dict[str, Any] = {}
+
+    def make_engine() -> BatchEngine:
+        return BatchEngine(handle.model, max_batch=cfg.max_batch, precision=handle.precision, profile=base.profile,
+                           prefix_cache=base.prefix_cache)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker = EngineWorker(make_engine, capacity=cfg.max_batch + cfg.max_queue)
+        state["worker"] = worker
+        yield
+        await asyncio.to_thread(worker.stop, cfg.request_timeout)
+
+    app = FastAPI(title="constrained-spec", lifespan=lifespan)
+    metrics = ServerMetrics(queue_depth=lambda: state["worker"].waiting if "worker" in state else 0,
+                            decoding=lambda: len(state["worker"].engine.active) if "worker" in state else 0)
+    compiled_cache: OrderedDict[str, _Compiled] = OrderedDict()
+    model_ids = {handle.name, "default"}
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        if cfg.api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
+                err = ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        worker = state.get("worker")
+        return {"status": "ok", "model": handle.name,
+                "decoding": len(worker.engine.active) if worker else 0, "waiting": worker.waiting if worker else 0}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": handle.name, "object": "model", "created": 0,
+                                            "owned_by": "constrained-spec", "precision": handle.precision}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def compile_for(spec: ConstraintSpec) -> _Compiled:
+        key = spec.cache_key
+        hit = compiled_cache.get(key)
+        if hit is not None:
+            compiled_cache.move_to_end(key)
+            return hit
+        try:
+            entry = await asyncio.wait_for(asyncio.to_thread(_compile, spec, handle, base), cfg.compile_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"The constraint did not compile within {cfg.compile_timeout:g} s.", param=spec.param,
+                           code="compile_timeout") from None
+        except ConstrainedSpecError as e:
+            raise ApiError(400, str(e), param=spec.param, code="invalid_constraint") from None
+        compiled_cache[key] = entry
+        while len(compiled_cache) > COMPILED_ENTRIES:
+            compiled_cache.popitem(last=False)
+        return entry
+
+    async def start(request: Request, parsed: Parsed) -> tuple[Job, _Compiled, int]:
+        if parsed.model is not None and parsed.model not in model_ids:
+            raise ApiError(404, f"The model '{parsed.model}' is not served here; this server serves "
+                                f"'{handle.name}' (GET /v1/models).", param="model", code="model_not_found")
+        entry = await compile_for(parsed.constraint)
+        try:
+            ids = encode_chat(handle, parsed.messages) if parsed.messages is not None else encode_text(handle, parsed.prompt or "")
+        except InvalidPromptError as e:
+            raise ApiError(400, str(e), param="messages" if parsed.messages is not None else "prompt",
+                           code="context_length_exceeded") from None
+        room = (handle.context_length or 1 << 30) - len(ids)
+        wanted = parsed.max_tokens or cfg.max_tokens_default
+        if parsed.max_tokens is not None and parsed.max_tokens > room:
+            raise ApiError(400, f"max_tokens {parsed.max_tokens} and the prompt's {len(ids)} tokens do not fit the "
+                                f"model's context of {handle.context_length} tokens.", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            opts = SpecOptions.build(base, temperature=parsed.temperature, seed=parsed.seed,
+                                     max_new_tokens=min(wanted, room), lenient=parsed.constraint.lenient,
+                                     **parsed.speculative)
+        except InvalidOptionError as e:
+            raise ApiError(400, str(e), param="speculative", code="invalid_value") from None
+        task = "json" if parsed.constraint.kind == "json" else "text"
+        parts = prepare_request(handle, None, entry.compiled, parsed.source_text, opts, task, prompt_ids=ids)
+        job = Job(parts, opts, asyncio.get_running_loop())
+        try:
+            state["worker"].submit(job)
+        except QueueFull:
+            raise ApiError(429, "The server is at capacity; retry shortly.", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+        return job, entry, len(ids)
+
+    async def generate(request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        parsed = parse_body(await request.body(), kind)  # type: ignore[arg-type]
+        job, entry, prompt_tokens = await start(request, parsed)
+        run = _Run(job, entry, parsed, handle, prompt_tokens, kind, t0)
+        endpoint = request.url.path
+        if parsed.stream:
+            from sse_starlette.sse import EventSourceResponse
+
+            async def events() -> AsyncIterator[str]:
+                status = "200"
+                try:
+                    async for chunk in run.stream(cfg.request_timeout):
+                        yield json.dumps(chunk)
+                    yield "[DONE]"
+                except ApiError as e:
+                    status = str(e.status)
+                    yield json.dumps(e.body())
+                finally:
+                    if not run.ended:
+                        state["worker"].cancel(job)
+                        status = "499"
+                    metrics.requests.labels(endpoint, status).inc()
+                    run.record(metrics)
+
+            return EventSourceResponse(events(), ping=15)
+        try:
+            body = await run.complete(cfg.request_timeout, request)
+        finally:
+            if not run.ended:
+                state["worker"].cancel(job)
+        if body is None:  # the client went away
+            metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        metrics.requests.labels(endpoint, "200").inc()
+        run.record(metrics)
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    return app
+
+
+def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions) -> _Compiled:
+    """Compile a request's constraint (the backend refuses one that matches nothing) and the
+    final check of its output."""
+    schema = load_schema(spec.source) if spec.kind == "json" else None
+    compiled = compile_constraint(schema if schema is not None else spec.source, handle.tokenizer, kind=spec.kind,
+                                  backend=base.backend, lenient=spec.lenient, whitespace=base.whitespace)
+    checker = None
+    if spec.kind == "regex" and spec is not FREE_TEXT:
+        try:
+            checker = re.compile(spec.source)
+        except re.error:  # a pattern in the backend's syntax only: the matcher alone enforces it
+            checker = None
+    return _Compiled(compiled, schema, checker)
+
+
+class _Run:
+    """One request's events turned into an OpenAI response (whole, or as stream chunks)."""
+
+    def __init__(self, job: Job, entry: _Compiled, parsed: Parsed, handle: ModelHandle, prompt_tokens: int,
+                 kind: str, t0: float) -> None:
+        self.job, self.entry, self.parsed, self.handle = job, entry, parsed, handle
+        self.prompt_tokens = prompt_tokens
+        self.kind = kind
+        self.t0 = t0
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.ids: list[int] = []
+        self.text = ""
+        self.first_token: float | None = None
+        self.ended = False
+        self.stats: DecodeStats | None = None
+        self.stopped_at: str | None = None
+
+    # -- events ---------------------------------------------------------------------------------
+    async def _events(self, timeout: float) -> AsyncIterator[str]:
+        """Yield text deltas as tokens arrive; on the end, set ``finish`` fields. Raises ApiError."""
+        deadline = self.t0 + timeout
+        tok = self.handle.tokenizer
+        while True:
+            left = deadline - time.perf_counter()
+            try:
+                kind, payload = await asyncio.wait_for(self.job.events.get(), max(left, 0.001))
+            except asyncio.TimeoutError:
+                raise ApiError(504, f"The request took longer than the server's timeout of {timeout:g} s.",
+                               type="timeout_error", code="timeout") from None
+            if kind == "tokens":
+                if self.first_token is None:
+                    self.first_token = time.perf_counter() - self.t0
+                self.ids += payload
+                text = tok.decode(self.ids, skip_special_tokens=False)
+                if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+                    continue
+                delta = text[len(self.text):]
+                for stop in self.parsed.stop:
+                    at = text.find(stop, max(0, len(self.text) - len(stop)))
+                    if at >= 0:
+                        delta = text[len(self.text):at]
+                        self.text = text[:at]
+                        self.stopped_at = stop
+                        break
+                else:
+                    self.text = text
+                if delta:
+                    yield delta
+                if self.stopped_at is not None:
+                    self.ended = False  # the caller cancels the engine's row
+                    self.finish_reason, self.valid = "stop", True
+                    return
+                continue
+            self.ended = True
+            if kind == "error":
+                raise ApiError(500, f"Generation failed: {payload}", type="server_error", code="generation_failed")
+            self._finish(payload)
+            return
+
+    def _finish(self, req: Any) -> None:
+        if req is None:  # cancelled before it reached the engine
+            raise ApiError(499, "The request was cancelled.", code="cancelled")
+        dec = req.decoder
+        self.stats = dec.stats
+        tok = self.handle.tokenizer
+        if req.error is not None:
+            raise ApiError(500, f"Generation failed: {req.error}", type="server_error", code="generation_failed")
+        full = tok.decode(dec.output, skip_special_tokens=False)
+        self.tail = full[len(self.text):]
+        self.text = full
+        self.stopped = "repetition" if dec.repetition is not None else None
+        if dec.repetition is not None or not dec.finished:
+            self.finish_reason, self.valid = "length", False
+            return
+        self.finish_reason, self.valid = "stop", True
+        try:
+            if self.entry.schema is not None:
+                validate_json_output(full, self.entry.schema)
+            elif self.entry.checker is not None and not self.entry.checker.fullmatch(full):
+                raise OutputValidationError(full, "does not fully match the pattern")
+        except OutputValidationError as e:
+            raise ApiError(500, f"The output failed the final validation and is withheld: {e}", type="server_error",
+                           code="output_invalid") from None
+
+    # -- responses ------------------------------------------------------------------------------
+    async def complete(self, timeout: float, request: Request) -> dict[str, Any] | None:
+        """The whole response, or None when the client disconnected first."""
+        async def drain() -> None:
+            async for _ in self._events(timeout):
+                pass
+
+        task = asyncio.ensure_future(drain())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return None
+        task.result()
+        return self._body(self.text)
+
+    async def stream(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
+        """OpenAI stream chunks: the role, content deltas, then the finish (and usage if asked)."""
+        first = {"role": "assistant", "content": ""} if self.kind == "chat" else None
+        if first is not None:
+            yield self._chunk(first, None)
+        async for delta in self._events(timeout):
+            yield self._chunk({"content": delta} if self.kind == "chat" else delta, None)
+        tail = getattr(self, "tail", "")
+        last = self._chunk({"content": tail} if self.kind == "chat" else tail, self.finish_reason)
+        last["constrained_spec"] = self._extension()
+        yield last
+        if self.parsed.include_usage:
+            usage = self._chunk({} if self.kind == "chat" else "", None)
+            usage["choices"] = []
+            usage["usage"] = self._usage()
+            yield usage
+
+    def _chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.handle.name, "choices": [choice]}
+
+    def _body(self, text: str) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": self.finish_reason, "logprobs": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.handle.name, "choices": [choice],
+                "usage": self._usage(), "constrained_spec": self._extension()}
+
+    def _usage(self) -> dict[str, int]:
+        n = self.stats.output_tokens if self.stats else len(self.ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def _extension(self) -> dict[str, Any]:
+        """Our figures, in the documented ``constrained_spec`` field of every response."""
+        s = self.stats
+        ext: dict[str, Any] = {"valid": self.valid, "constraint": self.parsed.constraint.kind
+                               if self.parsed.constraint is not FREE_TEXT else None,
+                               "stopped": getattr(self, "stopped", None) or (
+                                   f"stop sequence {self.stopped_at!r}" if self.stopped_at else None)}
+        if s is not None:
+            kinds = {k: r for k, r in s.per_kind.items() if k != "target" and r["drafted"]}
+            ext.update({"drafter": s.drafter, "backend": s.backend, "target_forwards": s.target_forwards,
+                        "forwards_per_token": round(s.forwards_per_token, 4),
+                        "acceptance_rate": round(s.acceptance_rate, 4),
+                        "acceptance_by_kind": {k: round(r["accepted"] / r["drafted"], 4) for k, r in kinds.items()},
+                        "k_mean": round(sum(s.ks) / len(s.ks), 2) if s.ks else 0.0,
+                        "relaxed": list(s.relaxed)})
+        return ext
+
+    def record(self, metrics: ServerMetrics) -> None:
+        """Fold this request into the metrics."""
+        if self.stats is not None:
+            metrics.add_decode(self.stats)
+        tokens = self.stats.output_tokens if self.stats else len(self.ids)
+        metrics.add_timing(time.perf_counter() - self.t0, self.first_token, tokens)

@@ -1,0 +1,209 @@
+"""The OpenAI-compatible server, started for real (uvicorn on a free port) and called with the
+official ``openai`` client: constrained answers, streaming, and every refusal it must make."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+try:  # the HTTP client the openai package brings (httpx2 in openai 3.x, httpx before)
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx
+openai = pytest.importorskip("openai")
+import uvicorn  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+
+from constrained_spec import generate_json  # noqa: E402
+from constrained_spec.serving import ServerConfig, create_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+KEY = "test-key"
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+PROMPT = "Extract the person as JSON: Maria Gonzalez is a 34-year-old architect who lives in Barcelona."
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, app) -> None:
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(smol):
+    srv = _Server(create_app(smol, config=ServerConfig(max_batch=4, max_queue=2, api_key=KEY, request_timeout=60)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _chat(client, **kw):
+    return client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPT}],
+                                          temperature=0, max_tokens=64, **kw)
+
+
+def test_json_schema_answer_equals_in_process_greedy_output(client, smol):
+    reply = _chat(client, response_format={"type": "json_schema",
+                                           "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    value = json.loads(choice.message.content)
+    assert value == generate_json(smol, PERSON, PROMPT, temperature=0, max_new_tokens=64)
+    ext = reply.model_extra["constrained_spec"]
+    assert ext["valid"] is True and ext["constraint"] == "json" and ext["target_forwards"] >= 1
+    assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 10
+
+
+def test_pydantic_model_through_the_clients_parse_helper(client):
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    reply = parse(model="default", messages=[{"role": "user", "content": PROMPT}], response_format=Person,
+                  temperature=0, max_tokens=64)
+    person = reply.choices[0].message.parsed
+    assert isinstance(person, Person) and person.age >= 0
+
+
+def test_json_object_regex_and_choice(client):
+    obj = _chat(client, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    phone = _chat(client, extra_body={"structured_outputs": {"regex": r"\+1-\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\+1-\d{3}-\d{4}", phone.choices[0].message.content)
+    pick = _chat(client, extra_body={"structured_outputs": {"choice": ["architect", "pilot", "baker"]}})
+    assert pick.choices[0].message.content in ("architect", "pilot", "baker")
+
+
+def test_stream_concatenates_to_the_whole_answer(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = _chat(client, response_format=fmt, seed=7).choices[0].message.content
+    chunks = list(_chat(client, response_format=fmt, seed=7, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_endpoint_and_the_token_limit(client):
+    reply = client.completions.create(model="default", prompt="The numbers: ", temperature=0, max_tokens=4,
+                                      extra_body={"structured_outputs": {"regex": r"[0-9]{20}"}})
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.model_extra["constrained_spec"]["valid"] is False
+
+
+@pytest.mark.parametrize("kw, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": PERSON, "strictly": True}}},
+     "response_format.json_schema.strictly", "Unknown field"),
+    ({"response_format": {"type": "json_schema", "schema": PERSON}}, "response_format.schema", "Unknown field"),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= 'a'"}}}, "structured_outputs.grammar", "Unknown field"),
+    ({"extra_body": {"guided_json": PERSON}}, "guided_json", "Unknown field"),
+    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs.regex", "regex"),
+    ({"extra_body": {"structured_outputs": {"regex": "[^\\s\\S]"}}}, "structured_outputs.regex", "matches nothing"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}},
+     "response_format.json_schema.schema", "format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema", "nonsense"),
+    ({"n": 2}, "n", "n > 1"),
+    ({"top_p": 0.5}, "top_p", "top_p"),
+    ({"stop": ["}"], "response_format": {"type": "json_object"}}, "stop", "stop"),
+    ({"extra_body": {"speculative": {"drafter": "psychic"}}}, "speculative.drafter", "drafter"),
+])
+def test_bad_requests_are_400_naming_the_problem(client, kw, param, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, **kw)
+    err = info.value.body
+    assert err["param"] == param, err
+    assert words.lower() in err["message"].lower(), err
+
+
+def test_prompt_longer_than_the_context_is_400(client, smol):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "word " * 9000}],
+                                       max_tokens=8)
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+
+
+def test_key_required_except_for_health(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    ok = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in ok.models.list().data]
+
+
+def test_metrics_count_requests_and_tokens(server, client):
+    _chat(client, response_format={"type": "json_object"})
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert re.search(r'constrained_spec_requests_total\{endpoint="/v1/chat/completions",status="200"\} [1-9]', text)
+    assert re.search(r"constrained_spec_output_tokens_total [1-9]", text)
+    assert "constrained_spec_queue_depth" in text and "constrained_spec_time_to_first_token_seconds_bucket" in text
+
+
+def test_full_queue_is_429_and_a_disconnect_frees_the_slot(server):
+    """Capacity is max_batch 4 + max_queue 2: six long streams fill it, the seventh is refused;
+    closing the streams cancels their rows, after which requests are served again."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "default", "messages": [{"role": "user", "content": "Count upwards forever."}],
+            "max_tokens": 400, "temperature": 0, "stream": True,
+            "structured_outputs": {"regex": "[0-9 ]+"}}
+    clients = [httpx.Client(timeout=60) for _ in range(6)]
+    streams = [c.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers) for c in clients]
+    responses = [s.__enter__() for s in streams]
+    try:
+        for r in responses:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the server holds the request now
+        refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, headers=headers)
+        assert refused.status_code == 429 and refused.headers["retry-after"]
+        assert refused.json()["error"]["code"] == "queue_full"
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        health = httpx.get(server.url + "/health").json()
+        if health["decoding"] == 0 and health["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert health["decoding"] == 0 and health["waiting"] == 0, health
