@@ -50,6 +50,7 @@ PrecisionOpt = typer.Option(None, "--precision", help="native (the embedded GGUF
 WhitespaceOpt = typer.Option("canonical", "--whitespace", help="JSON layout: canonical (json.dumps style), flexible, compact, or a whitespace regex.")
 LenientOpt = typer.Option(False, "--lenient", help="llguidance: relax keywords it cannot enforce (listed with --stats); the output is still validated.")
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
+ServerOpt = typer.Option(None, "--server", envvar="CONSTRAINED_SPEC_SERVER", help="Send the request to a running 'constrained-spec serve' at this URL (no model load here; its key from $CONSTRAINED_SPEC_API_KEY).")
 
 
 def _prompt_text(prompt: Optional[str]) -> str:
@@ -117,19 +118,28 @@ def json_cmd(
     whitespace: str = WhitespaceOpt,
     stats: bool = StatsOpt,
     stream: bool = StreamOpt,
+    server: Optional[str] = ServerOpt,
 ) -> None:
     """Generate JSON that validates against SCHEMA and print it.
 
     Example: constrained-spec json schemas/person.json --prompt "Extract: Maria, 34, architect in Barcelona" --stats
     """
-    from .api import generate_json
-
     text = _prompt_text(prompt)
 
     def render(value: Any) -> str:
         if hasattr(value, "model_dump"):
             value = value.model_dump(mode="json")
         return json.dumps(value, ensure_ascii=False)
+
+    if server:
+        from . import remote
+
+        _run_guarded(lambda: _remote_and_print(
+            server, remote.json_constraint(remote.schema_dict(_schema_arg(schema)), lenient), text,
+            lambda t: render(json.loads(t)), stream=stream, stats=stats, temperature=temperature, seed=seed,
+            max_new_tokens=max_new_tokens, drafter=drafter, k_max=k_max, adaptive=adaptive))
+        return
+    from .api import generate_json
 
     _run_guarded(lambda: _generate_and_print(
         generate_json, _schema_arg(schema), text, render, stream=stream, stats=stats, model=_model_arg(model, dtype, precision),
@@ -155,6 +165,29 @@ def _generate_and_print(generate: Any, target: Any, prompt: str, render: Any, *,
     print(render(value))
     if stats:
         _print_stats(st)
+
+
+def _remote_and_print(server: str, constraint: dict[str, Any], prompt: str, render: Any, *, stream: bool,
+                      stats: bool, **options: Any) -> None:
+    """``json`` / ``regex`` through a running server (``--server``)."""
+    import os
+
+    from . import remote
+
+    body = remote.chat_body(prompt, constraint=constraint, stream=stream, **options)
+    key = os.environ.get("CONSTRAINED_SPEC_API_KEY")
+    if stream:
+        try:
+            for piece in remote.stream(server, body, api_key=key):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        finally:
+            sys.stdout.write("\n")
+        return
+    text, figures = remote.generate(server, body, api_key=key)
+    print(render(text))
+    if stats:
+        err.print(f"[dim]server {server}: " + ", ".join(f"{k} {v}" for k, v in figures.items()) + "[/]")
 
 
 def _model_arg(model: Optional[str], dtype: Optional[str], precision: Optional[str] = None) -> Any:
@@ -206,14 +239,21 @@ def regex_cmd(
     backend: str = BackendOpt,
     stats: bool = StatsOpt,
     stream: bool = StreamOpt,
+    server: Optional[str] = ServerOpt,
 ) -> None:
     """Generate a string that fully matches PATTERN and print it.
 
     Example: constrained-spec regex '[0-9]{3}-[0-9]{4}' --prompt "A phone extension:"
     """
-    from .api import generate_regex
-
     text = _prompt_text(prompt)
+    if server:
+        from . import remote
+
+        _run_guarded(lambda: _remote_and_print(
+            server, remote.regex_constraint(pattern), text, str, stream=stream, stats=stats, temperature=temperature,
+            seed=seed, max_new_tokens=max_new_tokens, drafter=drafter, k_max=k_max, adaptive=adaptive))
+        return
+    from .api import generate_regex
 
     _run_guarded(lambda: _generate_and_print(
         generate_regex, pattern, text, str, stream=stream, stats=stats, model=_model_arg(model, dtype, precision),
@@ -398,7 +438,9 @@ def bench_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of tokens over time and K per step (with --batch: tokens/s against batch size)."),
     batch: Optional[str] = typer.Option(None, "--batch", help="Comma-separated batch sizes, e.g. 1,4,16,64: the batch sweep instead (whole extraction jobs on --documents)."),
-    documents: Optional[Path] = typer.Option(None, "--documents", help="With --batch: JSONL of {id, text, expected?}; default: the 64 people documents shipped in the package."),
+    documents: Optional[Path] = typer.Option(None, "--documents", help="With --batch or --serve: JSONL of {id, text, expected?}; default: the 64 people documents shipped in the package."),
+    serve: Optional[str] = typer.Option(None, "--serve", help="Comma-separated client counts, e.g. 1,8,32: the server load test instead (a server started here, or --server)."),
+    server: Optional[str] = typer.Option(None, "--server", help="With --serve: load-test the server at this URL instead of starting one."),
 ) -> None:
     """Target-only vs every drafter and K policy on the extraction prompts, side by side in one run.
 
@@ -411,6 +453,9 @@ def bench_cmd(
 
     if batch is not None:
         _run_guarded(lambda: _batch_sweep(batch, model, dtype, precision, documents, limit, json_out, plot))
+        return
+    if serve is not None:
+        _run_guarded(lambda: _serve_load(serve, server, documents, limit, max_new_tokens, json_out))
         return
 
     def go() -> None:
@@ -497,6 +542,38 @@ def serve_cmd(
                     timeout_graceful_shutdown=shutdown_timeout)
 
     _run_guarded(go)
+
+
+def _serve_load(levels: str, server: Optional[str], documents: Optional[Path], limit: Optional[int],
+                max_tokens: int, json_out: Optional[Path]) -> None:
+    """``bench --serve``: the load test of ``pipelines.serve_bench``, printed as a table."""
+    from .pipelines.serve_bench import DEFAULT_DOCUMENTS, run_serve_bench
+
+    try:
+        counts = [int(c) for c in levels.split(",") if c.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise InvalidOptionError(f"Invalid --serve: expected comma-separated client counts >= 1, got {levels!r}.")
+    import os
+
+    report = run_serve_bench(counts, url=server, documents=documents or DEFAULT_DOCUMENTS, limit=limit,
+                             max_tokens=min(max_tokens, 128), api_key=os.environ.get("CONSTRAINED_SPEC_API_KEY"), progress=lambda line: err.print(f"[dim]{line}[/]"))
+    table = Table(title=f"server load test: {report['documents']} extraction requests per row, streamed, greedy")
+    cols = {"clients": "clients", "speculation": "speculation", "requests_per_second": "req/s",
+            "output_tokens_per_second": "tok/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "p99 s",
+            "per_token_p50_ms": "ms/token p50", "per_token_p99_ms": "p99 ms", "errors": "errors", "valid": "valid"}
+    for header in cols.values():
+        table.add_column(header, justify="right", no_wrap=True)
+    for row in report["rows"]:
+        table.add_row(*["-" if row[c] is None else str(row[c]) for c in cols])
+    Console(width=max(140, Console().width)).print(table)
+    errors = [r["first_error"] for r in report["rows"] if r["first_error"]]
+    if errors:
+        err.print(f"[red]first error:[/] {errors[0]}")
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
+        err.print(f"figures written to {json_out}")
 
 
 def _batch_sweep(batch: str, model: Optional[str], dtype: Optional[str], precision: Optional[str],

@@ -51,3 +51,15 @@ def test_regex_stream_and_backend_options_are_used(smol):
     assert whole.exit_code == 0 and streamed.exit_code == 0, streamed.output
     assert whole.stdout.strip() == streamed.stdout.strip().splitlines()[0]
     assert "backend llguidance" in streamed.output
+
+
+def test_help_and_usage_errors_do_not_import_torch():
+    """``--help`` and argument errors answer without loading torch or transformers (under a second)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from typer.testing import CliRunner; from constrained_spec.cli import app; "
+            "r = CliRunner().invoke(app, ['--help']); assert r.exit_code == 0, r.output; "
+            "r = CliRunner().invoke(app, ['json']); assert r.exit_code == 2, r.output; "
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)

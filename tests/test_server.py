@@ -207,3 +207,34 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_slot(server):
             break
         time.sleep(0.2)
     assert health["decoding"] == 0 and health["waiting"] == 0, health
+
+
+def test_command_line_sends_to_a_running_server(server, smol, monkeypatch):
+    """``--server`` gives what the in-process command gives, and bad input still exits 2."""
+    from typer.testing import CliRunner
+
+    from constrained_spec.cli import app
+
+    monkeypatch.setenv("CONSTRAINED_SPEC_API_KEY", KEY)
+    runner = CliRunner()
+    schema = json.dumps(PERSON)
+    remote = runner.invoke(app, ["json", schema, "--prompt", PROMPT, "--max-new-tokens", "64", "--server", server.url])
+    assert remote.exit_code == 0, remote.output
+    assert json.loads(remote.stdout) == generate_json(smol, PERSON, PROMPT, max_new_tokens=64)
+    phone = runner.invoke(app, ["regex", r"[0-9]{3}-[0-9]{4}", "--prompt", "A phone extension:", "--server", server.url])
+    assert phone.exit_code == 0 and re.fullmatch(r"[0-9]{3}-[0-9]{4}\n", phone.stdout), phone.output
+    bad = runner.invoke(app, ["regex", "(unclosed", "--prompt", "x", "--server", server.url])
+    assert bad.exit_code == 2 and "regex" in bad.output.lower()
+    short = runner.invoke(app, ["regex", "[0-9]{30}", "--prompt", "Digits:", "--max-new-tokens", "3", "--server",
+                                server.url])
+    assert short.exit_code == 1 and "generation failed" in short.output
+
+
+def test_load_test_against_the_running_server(server):
+    from constrained_spec.pipelines.serve_bench import run_serve_bench
+
+    report = run_serve_bench([3], url=server.url, api_key=KEY, limit=4, max_tokens=96)
+    assert [(r["clients"], r["speculation"]) for r in report["rows"]] == [(3, "off"), (3, "on")]
+    for row in report["rows"]:
+        assert row["errors"] == 0 and row["valid"] == "4/4", row
+        assert row["ttft_p50_s"] <= row["ttft_p99_s"] and row["output_tokens_per_second"] > 0
