@@ -124,3 +124,45 @@ def test_compile_timeout_leaves_nothing_running(smol_tokenizer):
     m = c.matcher()
     assert m.forced_bytes(m.initial_state)
     assert not mp.active_children()
+
+
+@pytest.mark.parametrize("kind, source", [
+    ("regex", "((a{1,100}){1,100}){1,100}b"),
+    ("regex", "(" + "|".join(f"x{i}y{i}z" for i in range(3000)) + ")"),
+    ("json", {"type": "string", "pattern": "^((([a-z]{1,30}){1,30}){1,30}){1,30}$"}),
+    ("json", {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^[a-z]{{{i},{i + 30}}}$"}},
+                         "required": [f"k{i}"]} for i in range(300)]}),
+    ("json", json.loads('{"type":"object","properties":{"a":' * 60 + '{"type":"integer"}' + '}}' * 60)),
+])
+def test_pathological_constraints_are_bounded_without_a_process(smol_tokenizer, kind, source):
+    """llguidance's own limits bound these (measured: at most ~0.5 s here); with timeout_s the
+    compile runs in a thread, so no process is spawned, and a tight deadline raises in time."""
+    import time
+
+    from constrained_spec.constraint import clear_cache
+
+    clear_cache()
+    t0 = time.perf_counter()
+    try:
+        compile_constraint(source, smol_tokenizer, kind=kind, backend="llguidance", lenient=True, timeout_s=10)
+    except ValueError:  # refused with a named reason is bounded too
+        pass
+    assert time.perf_counter() - t0 < 5
+    assert not mp.active_children()
+
+
+def test_llguidance_deadline_raises_in_time(smol_tokenizer, monkeypatch):
+    """The deadline answers on time even if a compile ran long (simulated: the real pathological
+    cases finish in milliseconds once the tokenizer's tables are built)."""
+    import time
+
+    from constrained_spec.constraint import clear_cache
+    from constrained_spec.constraint import compile as compile_module
+
+    clear_cache()
+    monkeypatch.setattr(compile_module, "_compile", lambda *a, **k: time.sleep(2))
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="longer than"):
+        compile_constraint("[0-9]+", smol_tokenizer, kind="regex", backend="llguidance", timeout_s=0.05)
+    assert time.perf_counter() - t0 < 1
+    assert not mp.active_children()

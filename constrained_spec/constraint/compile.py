@@ -1,8 +1,13 @@
 """``compile_constraint``: the one front door from a schema or pattern to a cached ``CompiledConstraint``.
 
 One LRU-bounded cache and one lock for every backend, keyed by (backend, vocabulary fingerprint, kind, the
-normalized schema or pattern, layout, lenient). A compile that must finish within ``timeout_s``
-runs first in a spawned worker process that is killed on time-out, so nothing is left running.
+normalized schema or pattern, layout, lenient). A compile that must finish within ``timeout_s``:
+llguidance bounds its own work (grammar size, lexer states, lexer fuel: ``PARSER_LIMITS`` and
+its defaults; the pathological schemas and patterns we tried compile in milliseconds once the
+tokenizer's tables are built, ~0.4 s for the first compile on a tokenizer), so
+it compiles once, in process, in a thread the caller stops waiting for at the deadline;
+outlines-core has no such limits (its DFA construction can explode), so it is checked first in
+a spawned worker process that is killed on time-out, and nothing is left running.
 """
 
 from __future__ import annotations
@@ -90,10 +95,13 @@ def compile_constraint(
         if hit is not None:
             _CACHE.move_to_end(key)
             return hit
-    if timeout_s is not None:
-        _check_in_time(source, tokenizer, timeout_s=timeout_s, kind=kind, backend=backend, lenient=lenient,
-                       whitespace=whitespace)
-    compiled = _compile(source, tokenizer, vocab, kind=kind, backend=backend, lenient=lenient, whitespace=whitespace)
+    options = dict(kind=kind, backend=backend, lenient=lenient, whitespace=whitespace)
+    if timeout_s is not None and backend == "llguidance":
+        compiled = _compile_bounded(source, tokenizer, vocab, timeout_s, options)
+    else:
+        if timeout_s is not None:
+            _check_in_time(source, tokenizer, timeout_s=timeout_s, **options)
+        compiled = _compile(source, tokenizer, vocab, **options)
     with _LOCK:
         compiled = _CACHE.setdefault(key, compiled)
         _CACHE.move_to_end(key)
@@ -118,6 +126,29 @@ def clear_cache() -> None:
     """Forget every compiled constraint (the outlines-core disk cache stays)."""
     with _LOCK:
         _CACHE.clear()
+
+
+def _compile_bounded(source: Any, tokenizer: Any, vocab: Any, timeout_s: float,
+                     options: dict[str, Any]) -> CompiledConstraint:
+    """Compile in a daemon thread and wait at most ``timeout_s`` (the backend's limits end the
+    thread's work soon after; nothing is spawned)."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(_try(_compile, source, tokenizer, vocab, **options)),
+                              daemon=True, name="constrained-spec-compile")
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        raise TimeoutError(f"Compiling the constraint took longer than {timeout_s:g} s.")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _try(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # handed to the waiting caller
+        return e
 
 
 def _compile_in_worker(conn: Any, source: Any, tokenizer: Any, options: dict[str, Any]) -> None:
