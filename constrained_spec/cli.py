@@ -184,9 +184,10 @@ def _remote_and_print(server: str, constraint: dict[str, Any], prompt: str, rend
         finally:
             sys.stdout.write("\n")
         return
-    text, figures = remote.generate(server, body, api_key=key)
+    text, reply = remote.generate(server, body, api_key=key)
     print(render(text))
     if stats:
+        figures = reply.get("constrained_spec", {})
         err.print(f"[dim]server {server}: " + ", ".join(f"{k} {v}" for k, v in figures.items()) + "[/]")
 
 
@@ -312,12 +313,35 @@ def extract_cmd(
     backend: str = BackendOpt,
     lenient: bool = LenientOpt,
     whitespace: str = WhitespaceOpt,
+    server: Optional[str] = ServerOpt,
+    engine: str = typer.Option("local", "--engine", help="local (this process) or ray (Ray Data actors, each running the batch engine; --output is then a folder)."),
+    concurrency: int = typer.Option(1, "--concurrency", help="With --engine ray: actors, each holding a model."),
+    num_cpus: Optional[float] = typer.Option(None, "--num-cpus", help="With --engine ray: CPUs per actor (also its torch threads)."),
+    num_gpus: Optional[float] = typer.Option(None, "--num-gpus", help="With --engine ray: GPUs per actor."),
+    address: Optional[str] = typer.Option(None, "--address", envvar="RAY_ADDRESS", help="With --engine ray: the Ray cluster to join (default: a local one)."),
+    output_format: str = typer.Option("parquet", "--output-format", help="With --engine ray: parquet or jsonl files in the --output folder."),
 ) -> None:
     """Extract one typed record per document, with a progress bar and a summary.
 
     Example: constrained-spec extract --schema examples/people.py:Person --input examples/documents --output people.jsonl
+
+    On Ray Data (input: JSONL, a folder of JSONL, or Parquet; output: a folder):
+    constrained-spec extract --engine ray --schema schemas/person.json --input docs.jsonl --output out/ --concurrency 2 --num-cpus 1
     """
     from .pipelines.extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, extract, read_documents
+
+    if engine == "ray":
+        _run_guarded(lambda: _extract_on_ray(
+            schema, input, output, resume=resume, template=prompt_template.read_text() if prompt_template else None,
+            fmt=output_format, address=address, model=model, draft=draft, batch_size=batch_size,
+            concurrency=concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
+            options=dict(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                         k_max=k_max, profile=profile, adaptive=adaptive, backend=backend, lenient=lenient,
+                         whitespace=whitespace)))
+        return
+    if engine != "local":
+        err.print(f"[red]error:[/] Invalid --engine: expected local or ray, got {engine!r}.")
+        raise typer.Exit(2)
 
     def go() -> None:
         options = _options(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
@@ -332,14 +356,47 @@ def extract_cmd(
         todo = [(i, t) for i, t in docs if i not in writer.done_ids]
         if len(todo) < len(docs):
             err.print(f"[dim]resume: {len(docs) - len(todo)} of {len(docs)} documents already in {output}[/]")
-        results = extract(spec, todo, model=_model_arg(model, dtype, precision), draft=draft, prompt_template=template,
-                          batch_size=batch_size, options=options)
+        if server:  # the running server decodes; --batch-size requests are in flight at once
+            import os
+
+            results = extract(spec, todo, prompt_template=template, batch_size=batch_size, options=options,
+                              server=server, api_key=os.environ.get("CONSTRAINED_SPEC_API_KEY"))
+        else:
+            results = extract(spec, todo, model=_model_arg(model, dtype, precision), draft=draft,
+                              prompt_template=template, batch_size=batch_size, options=options)
         summary = _run_with_progress(results, len(todo), writer)
         Console(stderr=True).print(_summary_table(summary, output))
         if summary["failed"]:
             raise typer.Exit(1) from None
 
     _run_guarded(go)
+
+
+def _extract_on_ray(schema: str, input: Path, output: Path, *, resume: bool, template: Optional[str], fmt: str,
+                    address: Optional[str], model: Optional[str], draft: Optional[str], batch_size: int,
+                    concurrency: int, num_cpus: Optional[float], num_gpus: Optional[float],
+                    options: dict[str, Any]) -> None:
+    """``extract --engine ray``: Ray Data actors from files to an output folder."""
+    import time
+
+    try:
+        import ray
+    except ImportError:
+        raise InvalidOptionError("--engine ray needs the ray extra: pip install 'constrained_spec\\[ray]'") from None
+    from .pipelines.distributed import extract_to
+    from .pipelines.extract import DEFAULT_PROMPT_TEMPLATE
+
+    spec = _schema_arg(schema)
+    if hasattr(spec, "model_json_schema"):  # the JSON schema travels to the actors, not the class
+        spec = spec.model_json_schema()
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    t0 = time.perf_counter()
+    counts = extract_to(input, output, spec, fmt=fmt, resume=resume, model=model, draft=draft,
+                        batch_size=max(batch_size, 1), concurrency=concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
+                        prompt_template=template or DEFAULT_PROMPT_TEMPLATE, **options)
+    seconds = time.perf_counter() - t0
+    err.print(f"{counts['written']} documents written to {output} ({counts['skipped']} already there) in "
+              f"{seconds:.1f} s: {counts['written'] / seconds:.2f} documents/s")
 
 
 def _summary_table(summary: dict[str, Any], output: Path) -> Table:

@@ -93,15 +93,15 @@ def _as_error(status: int, error: dict[str, Any]) -> ConstrainedSpecError:
 
 def generate(url: str, body: dict[str, Any], *, api_key: str | None = None,
              timeout: float = 600.0) -> tuple[str, dict[str, Any]]:
-    """The whole answer: ``(text, the reply's constrained_spec figures)``; ``TokenLimitError``
-    (with the partial text) when the token limit came first."""
+    """The whole answer: ``(text, the reply)`` (its ``usage`` and ``constrained_spec`` figures);
+    ``TokenLimitError`` (with the partial text) when the token limit came first."""
     with _open(url, {**body, "stream": False}, api_key, timeout) as resp:
         reply = json.loads(resp.read())
     choice = reply["choices"][0]
     text = choice["message"]["content"]
     if choice["finish_reason"] == "length":
         raise TokenLimitError(text, body.get("max_tokens") or 0)
-    return text, reply.get("constrained_spec", {})
+    return text, reply
 
 
 def stream(url: str, body: dict[str, Any], *, api_key: str | None = None, timeout: float = 600.0) -> Iterator[str]:

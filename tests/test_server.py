@@ -238,3 +238,17 @@ def test_load_test_against_the_running_server(server):
     for row in report["rows"]:
         assert row["errors"] == 0 and row["valid"] == "4/4", row
         assert row["ttft_p50_s"] <= row["ttft_p99_s"] and row["output_tokens_per_second"] > 0
+
+
+def test_extract_through_the_server_equals_local_extract(server, smol):
+    from constrained_spec.pipelines.extract import extract
+
+    docs = [{"id": "maria", "text": "Maria Gonzalez is a 34-year-old architect who lives in Barcelona."},
+            {"id": "tom", "text": "At 52, Tom Okafor works as a harbour pilot in Rotterdam."},
+            {"id": "short", "text": "Lars Nilsen, 61, boat repairer in Bergen."}]
+    local = [r.to_record() for r in extract(Person, docs, model=smol, max_new_tokens=64)]
+    remote = list(extract(Person, docs, server=server.url, api_key=KEY, batch_size=3, max_new_tokens=64))
+    assert [r.id for r in remote] == ["maria", "tom", "short"]
+    assert [r.to_record().get("value") for r in remote] == [r.get("value") for r in local]
+    limited = list(extract(Person, docs[:1], server=server.url, api_key=KEY, max_new_tokens=3))
+    assert limited[0].error["kind"] == "TokenLimitError"

@@ -119,6 +119,8 @@ def extract(
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE,
     batch_size: int = 1,
     engine: BatchEngine | None = None,
+    server: str | None = None,
+    api_key: str | None = None,
     options: SpecOptions | None = None,
     **option_values: Any,
 ) -> Iterator[ExtractionResult]:
@@ -137,6 +139,9 @@ def extract(
         engine: a ``BatchEngine`` on the same model to run on instead of a new one (kept across
             calls, its K estimates and cost fit stay warm; its ``max_batch`` rows decode at once
             and its prefix cache is used); ``batch_size`` is then ignored.
+        server, api_key: send each document to a running ``constrained-spec serve`` at this URL
+            instead (``batch_size`` requests in flight at once, so the server batches them);
+            ``model`` and ``draft`` are then the server's, and the records are validated here.
         options, option_values: a ``SpecOptions`` and keyword overrides, as in ``generate_json``;
             checked here, before any document, on both paths.
     """
@@ -146,12 +151,15 @@ def extract(
         raise InvalidOptionError("Invalid prompt_template: it must contain '{text}' where the document goes.")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InvalidOptionError(f"Invalid batch_size: expected an integer >= 1, got {batch_size!r}.")
-    handle = resolve_model(model)
-    draft_handle = resolve_model(draft, role="draft") if draft is not None else None
     fields = describe_fields(loaded.schema)
     schema_text = json.dumps(loaded.schema)
     prompts = ((doc_id, prompt_template.format(text=text, fields=fields, schema=schema_text))
                for doc_id, text in iter_documents(documents))
+    if server is not None:
+        yield from _extract_remote(loaded, prompts, server, api_key, batch_size, opts)
+        return
+    handle = resolve_model(model)
+    draft_handle = resolve_model(draft, role="draft") if draft is not None else None
     # The template's text before the document is every prompt's shared prefix: computed once,
     # then reused from the prefix cache (decoding.prefix).
     seam = "\x00document\x00"
@@ -210,6 +218,39 @@ def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], han
                 return
             continue
         engine.step()
+
+
+def _extract_remote(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], url: str, api_key: str | None,
+                    in_flight: int, opts: SpecOptions) -> Iterator[ExtractionResult]:
+    """Every document as a request to a running server, ``in_flight`` at once, in input order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .. import remote
+
+    constraint = remote.json_constraint(loaded.schema, opts.lenient)
+
+    def one(item: tuple[str, str]) -> ExtractionResult:
+        doc_id, prompt = item
+        body = remote.chat_body(prompt, constraint=constraint, temperature=opts.temperature, seed=opts.seed,
+                                max_new_tokens=opts.max_new_tokens, drafter=opts.drafter, k_max=opts.k_max,
+                                adaptive=opts.adaptive, stream=False)
+        t0 = time.perf_counter()
+        try:
+            text, reply = remote.generate(url, body, api_key=api_key)
+            value = validate_json_output(text, loaded)
+        except remote.RemoteError:
+            raise  # the server, not the document: stop the run
+        except ConstrainedSpecError as e:
+            return ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
+        seconds = time.perf_counter() - t0
+        ext, tokens = reply.get("constrained_spec", {}), reply["usage"]["completion_tokens"]
+        return ExtractionResult(doc_id, value=value, stats={
+            "output_tokens": tokens, "target_forwards": ext.get("target_forwards"),
+            "acceptance_rate": ext.get("acceptance_rate"), "tokens_per_second": round(tokens / seconds, 4),
+            "total_seconds": round(seconds, 4), "drafter": ext.get("drafter")})
+
+    with ThreadPoolExecutor(max_workers=in_flight) as pool:
+        yield from pool.map(one, prompts)
 
 
 def _engine_result(doc_id: str, req: Request, handle: Any, loaded: JsonSchema, opts: SpecOptions) -> ExtractionResult:
