@@ -386,9 +386,7 @@ def _extract_on_ray(schema: str, input: Path, output: Path, *, resume: bool, tem
     from .pipelines.distributed import extract_to
     from .pipelines.extract import DEFAULT_PROMPT_TEMPLATE
 
-    spec = _schema_arg(schema)
-    if hasattr(spec, "model_json_schema"):  # the JSON schema travels to the actors, not the class
-        spec = spec.model_json_schema()
+    spec = _schema_arg(schema)  # a pydantic class travels to the actors by value (cloudpickle)
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     t0 = time.perf_counter()
     counts = extract_to(input, output, spec, fmt=fmt, resume=resume, model=model, draft=draft,

@@ -25,6 +25,11 @@ from .extract import DEFAULT_PROMPT_TEMPLATE
 
 #: Output columns, in order.
 COLUMNS = ("id", "value", "error_kind", "error_message", "stats")
+#: CPUs Ray reserves for each read, filter and write task. They are light, and a whole CPU each
+#: would deadlock a machine whose actors hold every core (the actors wait for input that no
+#: read task can be scheduled to produce): give actors a little less than a core each, e.g.
+#: two actors at ``num_cpus=0.75`` on two cores.
+IO_TASK_CPUS = 0.25
 
 
 class _Extractor:
@@ -49,7 +54,9 @@ class _Extractor:
         self.engine = BatchEngine(self.handle.model, max_batch=engine_batch, precision=self.handle.precision,
                                   profile=self.options.profile, prefix_cache=self.options.prefix_cache)
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
+    def __call__(self, batch: dict[str, Any]) -> Any:
+        import pyarrow as pa
+
         from .extract import extract
 
         ids = [str(i) for i in batch[self.id_column]]
@@ -63,7 +70,9 @@ class _Extractor:
             out["error_kind"].append(result.error["kind"] if result.error else None)
             out["error_message"].append(result.error["message"] if result.error else None)
             out["stats"].append(json.dumps(result.stats) if result.stats else None)
-        return out
+        # Every column a string (null where absent) in every block, so the files of one output
+        # folder share one schema even when a block has no error at all.
+        return pa.table({c: pa.array(out[c], type=pa.string()) for c in COLUMNS})
 
 
 def extract_dataset(ds: Any, schema: Any, *, model: Any = None, draft: Any = None, id_column: str = "id",
@@ -79,7 +88,8 @@ def extract_dataset(ds: Any, schema: Any, *, model: Any = None, draft: Any = Non
             shipped, give an id or path).
         batch_size: documents per Ray batch and rows of each actor's engine.
         concurrency: actors (each holds a model; on one machine, at most one per core group).
-        num_cpus, num_gpus: resources per actor (``num_cpus`` also sets its torch threads).
+        num_cpus, num_gpus: resources per actor (``num_cpus``, rounded, also sets its torch
+            threads; leave ``IO_TASK_CPUS`` per node free for reading and writing).
         options: ``SpecOptions`` fields, checked here before anything runs.
     """
     import ray.data
@@ -97,7 +107,7 @@ def extract_dataset(ds: Any, schema: Any, *, model: Any = None, draft: Any = Non
     if missing:
         raise InvalidOptionError(f"Invalid dataset: no column {missing[0]!r} (it has {sorted(columns)}); "
                                  "set id_column= / text_column=.")
-    threads = max(1, int(num_cpus)) if num_cpus else None
+    threads = max(1, round(num_cpus)) if num_cpus else None
     return ds.map_batches(
         _Extractor, batch_size=batch_size, batch_format="numpy",
         fn_constructor_args=(schema, model, draft, prompt_template, options, batch_size, id_column, text_column,
@@ -114,11 +124,12 @@ def read_input(path: Path | str) -> Any:
         raise InvalidOptionError(f"Invalid input: {p} does not exist.")
     files = sorted(p.rglob("*")) if p.is_dir() else [p]
     suffixes = {f.suffix for f in files if f.is_file()}
+    light = {"num_cpus": IO_TASK_CPUS}
     if suffixes <= {".parquet"} and suffixes:
-        return ray.data.read_parquet(str(p))
+        return ray.data.read_parquet(str(p), ray_remote_args=light)
     if suffixes <= {".jsonl", ".json"} and suffixes:
-        return ray.data.read_json(str(p), lines=True) if p.is_file() else ray.data.read_json(
-            [str(f) for f in files if f.suffix in (".jsonl", ".json")], lines=True)
+        paths = str(p) if p.is_file() else [str(f) for f in files if f.suffix in (".jsonl", ".json")]
+        return ray.data.read_json(paths, lines=True, ray_remote_args=light)
     raise InvalidOptionError(f"Invalid input: {p} must be a JSONL file, a folder of JSONL files, or Parquet "
                              f"(found {sorted(suffixes) or 'no files'}).")
 
@@ -167,11 +178,11 @@ def extract_to(input_path: Path | str, output: Path | str, schema: Any, *, fmt: 
 
         with warnings.catch_warnings():  # Ray suggests an expression filter; a set of ids is not one
             warnings.simplefilter("ignore", UserWarning)
-            ds = ds.filter(lambda row: str(row[id_column]) not in skip)
+            ds = ds.filter(lambda row: str(row[id_column]) not in skip, num_cpus=IO_TASK_CPUS)
     result = extract_dataset(ds, schema, **kwargs)
     os.makedirs(out, exist_ok=True)
     if fmt == "parquet":
-        result.write_parquet(str(out))
+        result.write_parquet(str(out), ray_remote_args={"num_cpus": IO_TASK_CPUS})
     else:
-        result.write_json(str(out))
+        result.write_json(str(out), ray_remote_args={"num_cpus": IO_TASK_CPUS})
     return {"documents": total, "skipped": len(skip), "written": total - len(skip)}
