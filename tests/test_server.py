@@ -252,3 +252,14 @@ def test_extract_through_the_server_equals_local_extract(server, smol):
     assert [r.to_record().get("value") for r in remote] == [r.get("value") for r in local]
     limited = list(extract(Person, docs[:1], server=server.url, api_key=KEY, max_new_tokens=3))
     assert limited[0].error["kind"] == "TokenLimitError"
+
+
+def test_free_text_honours_stop_and_bodies_are_limited(server, client):
+    reply = client.chat.completions.create(model="default", temperature=0, max_tokens=40, stop=[","],
+                                           messages=[{"role": "user", "content": "Name three colors, comma separated."}])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and "," not in choice.message.content
+    assert reply.model_extra["constrained_spec"]["stopped"] == "stop sequence ','"
+    big = httpx.post(server.url + "/v1/chat/completions", content=b"x" * (2 << 20),
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"

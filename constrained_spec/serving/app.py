@@ -32,7 +32,7 @@ from ..decoding import BatchEngine, DecodeStats, SpecOptions
 from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidPromptError, OutputValidationError
 from ..models import ModelHandle, resolve_model
 from .metrics import ServerMetrics
-from .protocol import FREE_TEXT, ApiError, ConstraintSpec, Parsed, parse_body
+from .protocol import FREE_TEXT, MAX_BODY_BYTES, ApiError, ConstraintSpec, Parsed, parse_body
 from .worker import EngineWorker, Job, QueueFull
 
 #: Compiled constraints the app keeps (with their loaded schemas and checks), least recent dropped.
@@ -168,6 +168,10 @@ def create_app(model: Any = None, *, options: SpecOptions | None = None, config:
 
     async def generate(request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused before it is read
+            raise ApiError(413, f"Request body of {declared} bytes is over the limit of {MAX_BODY_BYTES} bytes.",
+                           code="body_too_large")
         parsed = parse_body(await request.body(), kind)  # type: ignore[arg-type]
         job, entry, prompt_tokens = await start(request, parsed)
         run = _Run(job, entry, parsed, handle, prompt_tokens, kind, t0)
@@ -279,8 +283,7 @@ class _Run:
                     self.text = text
                 if delta:
                     yield delta
-                if self.stopped_at is not None:
-                    self.ended = False  # the caller cancels the engine's row
+                if self.stopped_at is not None:  # the caller cancels the engine's row (not ended)
                     self.finish_reason, self.valid = "stop", True
                     return
                 continue
