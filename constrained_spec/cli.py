@@ -564,6 +564,7 @@ def serve_cmd(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; beyond it: 429 with Retry-After."),
     request_timeout: float = typer.Option(120.0, "--request-timeout", help="Seconds a request may take in all (504 past it)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM: seconds to finish the requests in flight."),
+    draft: Optional[str] = DraftOpt,
     drafter: str = DrafterOpt,
     profile: Optional[str] = ProfileOpt,
 ) -> None:
@@ -593,10 +594,22 @@ def serve_cmd(
                               api_key=api_key or None)
         err.print(f"serving {handle.name} ({handle.precision}) on http://{host}:{port}/v1"
                   f"{' (API key required)' if api_key else ''}")
-        uvicorn.run(create_app(handle, options=options, config=config), host=host, port=port, log_level="warning",
+        uvicorn.run(create_app(handle, draft=draft, options=options, config=config), host=host, port=port,
+                    log_level="warning",
                     timeout_graceful_shutdown=shutdown_timeout)
 
     _run_guarded(go)
+
+
+def _counts(text: str, option: str) -> list[int]:
+    """Comma-separated integers >= 1 (batch sizes, client counts), or ``InvalidOptionError``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise InvalidOptionError(f"Invalid {option}: expected comma-separated integers >= 1, got {text!r}.")
+    return values
 
 
 def _serve_load(levels: str, server: Optional[str], documents: Optional[Path], limit: Optional[int],
@@ -604,16 +617,12 @@ def _serve_load(levels: str, server: Optional[str], documents: Optional[Path], l
     """``bench --serve``: the load test of ``pipelines.serve_bench``, printed as a table."""
     from .pipelines.serve_bench import DEFAULT_DOCUMENTS, run_serve_bench
 
-    try:
-        counts = [int(c) for c in levels.split(",") if c.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise InvalidOptionError(f"Invalid --serve: expected comma-separated client counts >= 1, got {levels!r}.")
     import os
 
-    report = run_serve_bench(counts, url=server, documents=documents or DEFAULT_DOCUMENTS, limit=limit,
-                             max_tokens=min(max_tokens, 128), api_key=os.environ.get("CONSTRAINED_SPEC_API_KEY"), progress=lambda line: err.print(f"[dim]{line}[/]"))
+    report = run_serve_bench(_counts(levels, "--serve"), url=server, documents=documents or DEFAULT_DOCUMENTS,
+                             limit=limit, max_tokens=min(max_tokens, 128),
+                             api_key=os.environ.get("CONSTRAINED_SPEC_API_KEY"),
+                             progress=lambda line: err.print(f"[dim]{line}[/]"))
     table = Table(title=f"server load test: {report['documents']} extraction requests per row, streamed, greedy")
     cols = {"clients": "clients", "speculation": "speculation", "requests_per_second": "req/s",
             "output_tokens_per_second": "tok/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "p99 s",
@@ -636,13 +645,7 @@ def _batch_sweep(batch: str, model: Optional[str], dtype: Optional[str], precisi
     """``bench --batch``: the sweep of ``pipelines.batch_bench``, printed as a table."""
     from .pipelines.batch_bench import DEFAULT_DOCUMENTS, plot_sweep, run_batch_sweep
 
-    try:
-        sizes = [int(b) for b in batch.split(",") if b.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise InvalidOptionError(f"Invalid --batch: expected comma-separated integers >= 1, got {batch!r}.")
-    report = run_batch_sweep(sizes, model=_model_arg(model, dtype, precision), documents=documents or DEFAULT_DOCUMENTS,
+    report = run_batch_sweep(_counts(batch, "--batch"), model=_model_arg(model, dtype, precision), documents=documents or DEFAULT_DOCUMENTS,
                              limit=limit, progress=lambda line: err.print(f"[dim]{line}[/]"))
     table = Table(title=f"{report['model']}: {report['documents']} extraction documents, greedy, whole jobs "
                         "(latency: admission to last token)")

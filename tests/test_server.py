@@ -139,6 +139,7 @@ def test_completions_endpoint_and_the_token_limit(client):
     ({"top_p": 0.5}, "top_p", "top_p"),
     ({"stop": ["}"], "response_format": {"type": "json_object"}}, "stop", "stop"),
     ({"extra_body": {"speculative": {"drafter": "psychic"}}}, "speculative.drafter", "drafter"),
+    ({"extra_body": {"speculative": {"drafter": "model"}}}, "speculative.drafter", "draft"),
 ])
 def test_bad_requests_are_400_naming_the_problem(client, kw, param, words):
     with pytest.raises(openai.BadRequestError) as info:
@@ -263,3 +264,17 @@ def test_free_text_honours_stop_and_bodies_are_limited(server, client):
     big = httpx.post(server.url + "/v1/chat/completions", content=b"x" * (2 << 20),
                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+
+
+def test_a_draft_model_serves_the_model_drafter_with_identical_greedy_output(smol):
+    srv = _Server(create_app(smol, draft=smol, config=ServerConfig(max_batch=2)))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+        drafted = _chat(client, response_format=fmt, extra_body={"speculative": {"drafter": "model", "k_max": 4}})
+        plain = _chat(client, response_format=fmt, extra_body={"speculative": {"drafter": "none"}})
+        assert drafted.choices[0].message.content == plain.choices[0].message.content
+        ext = drafted.model_extra["constrained_spec"]
+        assert ext["drafter"] == "model" and ext["acceptance_by_kind"].get("model", 0) > 0.5
+    finally:
+        srv.stop()

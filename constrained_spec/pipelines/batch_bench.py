@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 from ..decoding import BatchEngine
 from ..decoding.prefix import prefix_cache_for
 from ..models import ModelHandle, resolve_model
+from .bench import save_figure
 from .extract import ExtractionResult, extract
 from .quality import field_accuracy
 
@@ -206,8 +207,4 @@ def plot_sweep(report: dict[str, Any], path: Path | str) -> Path:
     ax.set_title(f"{report['model']} ({report['precision']}): {report['documents']} extraction documents")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

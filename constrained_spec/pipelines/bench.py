@@ -347,6 +347,13 @@ def plot_trace(report: dict[str, Any], path: Path | str) -> Path:
     ax2.set_ylabel("tokens")
     ax2.set_title(f"{names[-1]}: K and accepted tokens per step")
     ax2.legend()
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path | str) -> Path:
+    """Write a matplotlib figure as a PNG and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

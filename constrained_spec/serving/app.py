@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..api import encode_chat, encode_text, prepare_request, validate_json_output
+from ..api import encode_chat, encode_text, prepare_request, resolve_draft, validate_json_output
 from ..constraint import CompiledConstraint, JsonSchema, compile_constraint, load_schema
 from ..decoding import BatchEngine, DecodeStats, SpecOptions
 from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidPromptError, OutputValidationError
@@ -60,11 +60,14 @@ class _Compiled:
     checker: re.Pattern[str] | None
 
 
-def create_app(model: Any = None, *, options: SpecOptions | None = None, config: ServerConfig | None = None) -> FastAPI:
+def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | None = None,
+               config: ServerConfig | None = None) -> FastAPI:
     """The app serving ``model`` (a ``ModelHandle``, id or path; None: the embedded default).
+    ``draft``: a draft model for the "model" and "hybrid" drafters (same tokenizer, checked now).
     ``options``: the defaults of every request (a request's own fields override them)."""
     handle: ModelHandle = resolve_model(model)
     base = options or SpecOptions()
+    draft_handle = resolve_draft(draft, handle, SpecOptions(drafter="hybrid")) if draft is not None else None
     cfg = config or ServerConfig()
     state: dict[str, Any] = {}
 
@@ -157,7 +160,11 @@ def create_app(model: Any = None, *, options: SpecOptions | None = None, config:
         except InvalidOptionError as e:
             raise ApiError(400, str(e), param="speculative", code="invalid_value") from None
         task = "json" if parsed.constraint.kind == "json" else "text"
-        parts = prepare_request(handle, None, entry.compiled, parsed.source_text, opts, task, prompt_ids=ids)
+        uses_draft = draft_handle if opts.drafter_kind in ("model", "hybrid") else None
+        try:
+            parts = prepare_request(handle, uses_draft, entry.compiled, parsed.source_text, opts, task, prompt_ids=ids)
+        except InvalidOptionError as e:  # drafter "model" on a server without a draft model
+            raise ApiError(400, str(e), param="speculative.drafter", code="invalid_value") from None
         job = Job(parts, opts, asyncio.get_running_loop())
         try:
             state["worker"].submit(job)

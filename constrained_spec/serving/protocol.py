@@ -63,7 +63,7 @@ class StructuredOutputs(_Strict):
 
 
 class Speculative(_Strict):
-    drafter: Literal["none", "lookup", "grammar", "hybrid", "auto"] | None = None
+    drafter: Literal["none", "model", "lookup", "grammar", "hybrid", "auto"] | None = None
     k_max: int | None = Field(default=None, ge=0, le=64)
     adaptive: bool | None = None
 
