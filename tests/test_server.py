@@ -278,3 +278,27 @@ def test_a_draft_model_serves_the_model_drafter_with_identical_greedy_output(smo
         assert ext["drafter"] == "model" and ext["acceptance_by_kind"].get("model", 0) > 0.5
     finally:
         srv.stop()
+
+
+def test_a_non_streaming_client_that_goes_away_frees_its_row(smol):
+    """600 digits take ~20 s here; the client gives up after 1 s and its row must be gone
+    within a few seconds (the handler notices the disconnect and cancels it). The repetition
+    guard is off so the digits cannot end the request early."""
+    from constrained_spec.decoding import SpecOptions
+
+    srv = _Server(create_app(smol, options=SpecOptions(max_repeats=0), config=ServerConfig(max_batch=2)))
+    body = {"model": "default", "messages": [{"role": "user", "content": "Count upwards forever."}],
+            "max_tokens": 600, "temperature": 0, "structured_outputs": {"regex": "[0-9 ]{600}"},
+            "speculative": {"drafter": "none"}}  # one token per forward: ~20 s if it ran to the end
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=1.0)
+        t0 = time.time()
+        while time.time() - t0 < 6:
+            health = httpx.get(srv.url + "/health").json()
+            if health["decoding"] == 0 and health["waiting"] == 0:
+                break
+            time.sleep(0.1)
+        assert health["decoding"] == 0 and health["waiting"] == 0, health
+    finally:
+        srv.stop()

@@ -93,15 +93,8 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
         metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
-        if cfg.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
-                err = ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                               code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    if cfg.api_key:
+        app.add_middleware(_ApiKeyGuard, key=cfg.api_key)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -224,6 +217,26 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
         return await generate(request, "completion")
 
     return app
+
+
+class _ApiKeyGuard:
+    """Every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise). A plain
+    ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide a client's disconnect from the
+    handlers, and a request whose client went away must be cancelled."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions) -> _Compiled:
