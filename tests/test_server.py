@@ -302,3 +302,58 @@ def test_a_non_streaming_client_that_goes_away_frees_its_row(smol):
         assert health["decoding"] == 0 and health["waiting"] == 0, health
     finally:
         srv.stop()
+
+
+def test_request_timeout_is_504_and_frees_the_row(smol):
+    from constrained_spec.decoding import SpecOptions
+
+    srv = _Server(create_app(smol, options=SpecOptions(max_repeats=0),
+                             config=ServerConfig(max_batch=2, request_timeout=1.0)))
+    body = {"model": "default", "messages": [{"role": "user", "content": "Digits."}], "max_tokens": 600,
+            "temperature": 0, "structured_outputs": {"regex": "[0-9 ]{600}"}, "speculative": {"drafter": "none"}}
+    try:
+        reply = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
+        assert reply.status_code == 504 and reply.json()["error"]["code"] == "timeout"
+        deadline = time.time() + 5
+        while httpx.get(srv.url + "/health").json()["decoding"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(srv.url + "/health").json()["decoding"] == 0
+    finally:
+        srv.stop()
+
+
+def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path):
+    """The real command: SIGTERM while a request decodes; the request still gets its whole
+    answer, and then the process exits."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "constrained_spec.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline and proc.poll() is None, "server did not start"
+                time.sleep(0.2)
+        body = {"model": "default", "prompt": "Count: 1 2 3", "temperature": 0, "max_tokens": 120,
+                "structured_outputs": {"regex": "( [0-9]+){1,120}"}, "speculative": {"drafter": "none"}}
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.setdefault(
+            "reply", httpx.post(url + "/v1/completions", json=body, timeout=120)))
+        thread.start()
+        time.sleep(1.0)  # the request is decoding
+        proc.send_signal(signal.SIGTERM)
+        thread.join(120)
+        reply = result["reply"]
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"].strip(), reply.text
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained
+    finally:
+        if proc.poll() is None:
+            proc.kill()
