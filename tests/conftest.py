@@ -40,3 +40,14 @@ def smol_float32():
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol):
     return smol.tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _fresh_k_estimates():
+    """Each test starts from the K policy's priors: the acceptance and cost estimates that
+    recent requests pass on to new ones are process-wide, so without this a test's K choices
+    would depend on which tests ran before it."""
+    from constrained_spec.decoding import kpolicy
+
+    kpolicy._RECENT_ALPHA.clear()  # in place: tests import these dicts by name
+    kpolicy._RECENT_CURVE.clear()
