@@ -270,7 +270,13 @@ class _Run:
         self.first_token: float | None = None
         self.ended = False
         self.stats: DecodeStats | None = None
-        self.stopped_at: str | None = None
+        #: Set when the request ends: the reply's finish_reason and whether the text is valid.
+        self.finish_reason = "length"
+        self.valid = False
+        #: Why it ended early: "repetition" or "stop sequence '...'"; None otherwise.
+        self.stopped: str | None = None
+        #: Text the final decode added after the last streamed delta.
+        self.tail = ""
 
     # -- events ---------------------------------------------------------------------------------
     async def _events(self, timeout: float) -> AsyncIterator[str]:
@@ -297,13 +303,13 @@ class _Run:
                     if at >= 0:
                         delta = text[len(self.text):at]
                         self.text = text[:at]
-                        self.stopped_at = stop
+                        self.stopped = f"stop sequence {stop!r}"
                         break
                 else:
                     self.text = text
                 if delta:
                     yield delta
-                if self.stopped_at is not None:  # the caller cancels the engine's row (not ended)
+                if self.stopped is not None:  # the caller cancels the engine's row (not ended)
                     self.finish_reason, self.valid = "stop", True
                     return
                 continue
@@ -361,8 +367,7 @@ class _Run:
             yield self._chunk(first, None)
         async for delta in self._events(timeout):
             yield self._chunk({"content": delta} if self.kind == "chat" else delta, None)
-        tail = getattr(self, "tail", "")
-        last = self._chunk({"content": tail} if self.kind == "chat" else tail, self.finish_reason)
+        last = self._chunk({"content": self.tail} if self.kind == "chat" else self.tail, self.finish_reason)
         last["constrained_spec"] = self._extension()
         yield last
         if self.parsed.include_usage:
@@ -400,8 +405,7 @@ class _Run:
         s = self.stats
         ext: dict[str, Any] = {"valid": self.valid, "constraint": self.parsed.constraint.kind
                                if self.parsed.constraint is not FREE_TEXT else None,
-                               "stopped": getattr(self, "stopped", None) or (
-                                   f"stop sequence {self.stopped_at!r}" if self.stopped_at else None)}
+                               "stopped": self.stopped}
         if s is not None:
             kinds = {k: r for k, r in s.per_kind.items() if k != "target" and r["drafted"]}
             ext.update({"drafter": s.drafter, "backend": s.backend, "target_forwards": s.target_forwards,
