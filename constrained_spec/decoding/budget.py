@@ -18,7 +18,9 @@ not cut (the width is at least theirs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .linefit import LineSums
 
 #: Prior (t0 seconds, t1 seconds per row) by (profile, precision), measured on the 2-core CPU.
 #: float32: the issue's measurement (31 ms + 1.7 ms per token in the batch).
@@ -47,35 +49,25 @@ class BatchCost:
     t0: float
     t1: float
     prior_weight: float = 8.0
-    n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    sums: LineSums = field(default_factory=LineSums)
 
     def add(self, rows: int, seconds: float) -> None:
         """Fold one forward in."""
-        self.n += 1
-        self.sx += rows
-        self.sy += seconds
-        self.sxx += rows * rows
-        self.sxy += rows * seconds
+        self.sums.add(rows, seconds)
 
     def fitted(self) -> tuple[float, float]:
         """``(t0, t1)`` now."""
-        w = self.prior_weight
-        var = self.n * self.sxx - self.sx * self.sx
-        if self.n < 2 or var <= 0:
-            if not self.n:
+        w, n = self.prior_weight, self.sums.n
+        if n < 2 or self.sums.spread <= 0:
+            if not n:
                 return self.t0, self.t1
             # One width so far: keep the prior's slope, move the intercept to the data.
             t1 = self.t1
-            t0 = (self.n * (self.sy / self.n - t1 * self.sx / self.n) + w * self.t0) / (self.n + w)
+            t0 = (n * (self.sums.sy / n - t1 * self.sums.sx / n) + w * self.t0) / (n + w)
             return max(t0, 1e-4), t1
-        t1_fit = (self.n * self.sxy - self.sx * self.sy) / var
-        t0_fit = (self.sy - t1_fit * self.sx) / self.n
-        t1 = max((self.n * t1_fit + w * self.t1) / (self.n + w), 0.0)
-        t0 = max((self.n * t0_fit + w * self.t0) / (self.n + w), 1e-4)
+        t0_fit, t1_fit = self.sums.line()
+        t1 = max((n * t1_fit + w * self.t1) / (n + w), 0.0)
+        t0 = max((n * t0_fit + w * self.t0) / (n + w), 1e-4)
         return t0, t1
 
     def seconds(self, rows: int) -> float:

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from .linefit import LineSums
+
 #: Priors for alpha per drafter kind (seeds before any request has been seen), overwritten by
 #: what recent requests measured (``_RECENT_ALPHA``). A kind's first token of a run and the
 #: tokens continuing it are estimated apart ("copy" vs "copy+"): acceptance is not
@@ -110,25 +112,21 @@ class _CostFit:
     #: The ratio before data (the prior), and how many steps of data it weighs.
     prior: float = PRIOR_C_VERIFY
     prior_weight: float = 4.0
-    n: float = 0.0
-    sk: float = 0.0
-    skk: float = 0.0
-    st: float = 0.0
-    skt: float = 0.0
+    sums: LineSums = field(default_factory=LineSums)
+
+    @property
+    def n(self) -> float:
+        """Steps fitted so far."""
+        return self.sums.n
 
     def add(self, k: int, t: float) -> None:
-        x = self.g(k)
-        self.n += 1
-        self.sk += x
-        self.skk += x * x
-        self.st += t
-        self.skt += x * t
+        self.sums.add(self.g(k), t)
 
     def one_token_seconds(self) -> float:
         """Estimated t0, the time of a plain (K = 0) verify pass."""
         if not self.n:
             return 0.0
-        mean_k, mean_t = self.sk / self.n, self.st / self.n
+        mean_k, mean_t = self.sums.sx / self.n, self.sums.sy / self.n
         return mean_t / (1 + self.ratio() * mean_k)
 
     def ratio(self) -> float:
@@ -137,11 +135,9 @@ class _CostFit:
         The fit is shrunk towards the prior (a few noisy steps whose K barely varies can put
         t0 near zero and the ratio sky-high) and capped at 1.
         """
-        var = self.n * self.skk - self.sk * self.sk
-        if self.n < 2 or var / self.n**2 < 0.25:  # the K values seen do not span a range yet
+        if self.n < 2 or self.sums.spread / self.n**2 < 0.25:  # the K values seen do not span a range yet
             return self.prior
-        t1 = (self.n * self.skt - self.sk * self.st) / var
-        t0 = (self.st - t1 * self.sk) / self.n
+        t0, t1 = self.sums.line()
         fit = min(max(t1 / t0, 0.0), 1.0) if t0 > 0 else self.prior
         return (self.n * fit + self.prior_weight * self.prior) / (self.n + self.prior_weight)
 
