@@ -140,10 +140,16 @@ def test_cache_memory_stays_bounded_over_a_long_run(smol_tokenizer, models, comp
 def test_row_cache_grows_by_doubling_within_the_context():
     from constrained_spec.decoding.rowcache import RowCache
 
+    from constrained_spec.decoding.packing import pack_rows
+
     cache = RowCache(num_layers=2, slots=3, max_capacity=1000, capacity=16)
     k = torch.randn(2, 1, 5, 4, dtype=torch.float64)
     cache.active = 2
-    cache.update(k, k, 0)
+    cache.packing = pack_rows(cache.lengths[:2], [5, 3])  # packed: row 0's 5 tokens, then row 1's 3
+    packed = torch.cat([k[0, :, :5], k[1, :, :3]], dim=1)[None]
+    keys, _ = cache.update(packed, packed, 0)
+    assert keys.shape == (2, 1, 5, 4)  # every row's keys up to the longest row plus the width
+    cache.packing = None
     cache.lengths[:2] = torch.tensor([5, 3])
     cache.reserve(40)
     assert cache.capacity == 64 and cache.keys[0].shape == (3, 1, 64, 4)
@@ -189,17 +195,23 @@ def test_negative_control_in_a_batch_is_caught(small, monkeypatch):
     assert sample_pvalue(law, lambda s: draws[s]) < 1e-4
 
 
-def test_budget_width_follows_cost_and_acceptance():
-    from constrained_spec.decoding.budget import BatchCost, choose_width
+def test_budget_keeps_the_drafts_that_pay_for_their_tokens():
+    from constrained_spec.decoding.budget import BatchCost, choose_drafts
 
-    cpu = BatchCost(0.040, 0.0022)  # native on this CPU: rows cost
+    cpu = BatchCost(0.040, 0.0022)  # native on this CPU: every packed token costs
     flat = BatchCost(0.020, 0.0)  # an accelerator with room to spare
     sure, unsure = [0.97 ** j for j in range(1, 21)], [0.4 ** j for j in range(1, 21)]
-    assert choose_width([sure], 1, 1, cpu) > 10  # one row: verify a long forced span
-    assert choose_width([sure] * 16, 1, 16, cpu) < choose_width([sure], 1, 1, cpu)  # a full batch: less room
-    assert choose_width([unsure] * 16, 1, 16, cpu) == 1  # guesses that mostly fail: K = 0 at batch 16
-    assert choose_width([sure] * 16, 1, 16, flat) == 21  # flat cost: everything pays
-    assert choose_width([unsure] * 16, 5, 16, cpu) == 5  # rows that cannot be cut set the floor
+    alone = choose_drafts([sure], 1, 1.0, cpu)[0]
+    assert alone > 10  # one row: verify a long forced span
+    full = choose_drafts([sure] * 16, 16, 16.0, cpu)
+    assert len(set(full)) == 1 and full[0] < alone  # a full batch: less room, the same for equal rows
+    assert choose_drafts([unsure] * 16, 16, 16.0, cpu) == [0] * 16  # guesses that mostly fail: K = 0 at batch 16
+    assert choose_drafts([sure] * 16, 16, 16.0, flat) == [20] * 16  # flat cost: everything pays
+    # Rows are cut on their own: the sure span is kept where the guesses beside it are not.
+    mixed = choose_drafts([sure, unsure, unsure, unsure], 4, 4.0, cpu)
+    assert mixed[0] > 4 and mixed[1:] == [mixed[1]] * 3 and mixed[1] <= 1
+    # Survival is non-increasing along a row, so the kept tokens are always a prefix.
+    assert choose_drafts([[0.9, 0.9, 0.9]], 1, 1.0, flat) == [3]
 
 
 def test_batch_cost_fit_moves_from_the_prior_to_the_data():
@@ -232,4 +244,4 @@ def test_adaptive_rows_are_cut_to_the_budget_and_still_equal_single_requests(smo
         refs.append(decode(target, m2, ids[i:], drafter=ModelDrafter(target, m2), k_policy=FixedK(12), max_new_tokens=40))
     list(engine.run())
     assert all(r.result.tokens == ref.tokens for r, ref in zip(reqs, refs))
-    assert engine.widths and max(engine.widths) < 13  # cut below the 12 drafts each row proposed
+    assert all(max(r.result.stats.ks) < 12 for r in reqs)  # cut below the 12 drafts each row proposed

@@ -1,19 +1,20 @@
-"""How many tokens a batched step verifies: the width with the most expected tokens per second.
+"""How many tokens a batched step verifies: the drafts with the most expected tokens per second.
 
-Rows of a batched step are right-padded to one width ``w`` (the last token plus up to ``w - 1``
-drafts each), so a step costs what ``b x w`` rows cost, whoever uses them. On this CPU a forward
-grows with its rows (native precision, SmolLM2-135M, ~200 cached tokens per row: about 40 ms
-plus 2.2 ms per row, measured for b = 1..16 and w = 1..21), so the room for drafts shrinks as
-the batch grows; on a GPU a forward stays flat far longer. Each step the engine picks
+A batched step packs every row's tokens into one sequence (``decoding.packing``), so a step
+costs what its ``N`` tokens cost, whichever rows they belong to. On this CPU a forward grows with
+its tokens (native precision, SmolLM2-135M, ~200 cached tokens per row: about 40 ms plus
+2.2 ms per token), so the room for drafts shrinks as the batch grows; on a GPU a forward stays
+flat far longer. Each step the engine keeps the draft tokens that maximize
 
-    w* = argmax_w  sum_i E_i(w) / T(b w),   E_i(w) = 1 + sum_{j < w} P_i(drafts 1..j accepted)
+    sum_i E_i(k_i) / T(sum_i (1 + k_i)),   E_i(k) = 1 + sum_{j <= k} P_i(drafts 1..j accepted)
 
 from each row's own acceptance estimates (``AdaptiveK.survival``, per drafter kind) and a cost
-model ``T(rows) = t0 + t1 rows`` fitted on the engine's own forwards (shrunk towards a measured
-prior per profile and precision). A row's draft is then cut to ``w* - 1`` tokens: forced text
-that is almost surely accepted keeps the width up, a long guess that would mostly be rejected
-does not. Rows whose K is fixed, or whose seeded sampling must not depend on the batch, are
-not cut (the width is at least theirs).
+model ``T(tokens) = t0 + t1 tokens`` fitted on the engine's own forwards (shrunk towards a
+measured prior per profile and precision). Since a row's survival only falls along its draft,
+the best set is the ``m`` most likely draft tokens over all rows for the best ``m``: forced text
+that is almost surely accepted is kept (a 12-token span in one row costs 12 tokens, not 12 per
+row), a long guess that would mostly be rejected is not. Rows whose K is fixed, or whose seeded
+sampling must not depend on the batch, are not cut.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def batch_cost_prior(profile: str, precision: str) -> tuple[float, float]:
 
 @dataclass
 class BatchCost:
-    """Forward seconds against rows, ``t0 + t1 rows``: least squares over the engine's forwards,
+    """Forward seconds against packed tokens, ``t0 + t1 tokens``: least squares over the engine's forwards,
     shrunk towards the prior (``prior_weight`` forwards' worth) so a few noisy steps at one
     width cannot send ``t1`` to zero or below."""
 
@@ -76,21 +77,28 @@ class BatchCost:
         return t0 + t1 * rows
 
 
-def choose_width(survivals: list[list[float]], min_width: int, rows: int, cost: BatchCost) -> int:
-    """The step width (1 + drafts per row) maximizing expected tokens per second.
+def choose_drafts(survivals: list[list[float]], fixed_tokens: int, fixed_expected: float, cost: BatchCost) -> list[int]:
+    """How many of its drafts each cuttable row keeps (see the module docstring).
 
     Args:
-        survivals: per cuttable row, P(drafts 1..j accepted) for its proposed drafts.
-        min_width: the width rows that cannot be cut need (1 if none).
-        rows: the batch size ``b``; the rows that cannot be cut count one sure token each.
+        survivals: per cuttable row, P(drafts 1..j accepted) for its proposed drafts (non-increasing).
+        fixed_tokens: tokens the step feeds whatever is chosen: every row's last token and the
+            drafts of rows that cannot be cut.
+        fixed_expected: the tokens those are expected to emit (one per row at least).
         cost: the forward cost model.
     """
-    longest = max([min_width, *[1 + len(s) for s in survivals]])
-    fixed = rows - len(survivals)
-    best_w, best = min_width, -1.0
-    for w in range(min_width, longest + 1):
-        expected = fixed + sum(1.0 + sum(s[: w - 1]) for s in survivals)
-        value = expected / cost.seconds(rows * w)
+    # Most likely first; a row's earlier draft before its later one when they tie, so the
+    # chosen tokens of each row are a prefix of its draft.
+    ranked = sorted(((s, j, i) for i, row in enumerate(survivals) for j, s in enumerate(row)),
+                    key=lambda c: (-c[0], c[1]))
+    expected, best_m = fixed_expected, 0
+    best = expected / cost.seconds(fixed_tokens)
+    for m, (s, _, _) in enumerate(ranked, start=1):
+        expected += s
+        value = expected / cost.seconds(fixed_tokens + m)
         if value > best + 1e-12:
-            best_w, best = w, value
-    return best_w
+            best_m, best = m, value
+    keep = [0] * len(survivals)
+    for _, j, i in ranked[:best_m]:
+        keep[i] = max(keep[i], j + 1)
+    return keep

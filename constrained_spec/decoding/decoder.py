@@ -213,17 +213,19 @@ class SpeculativeDecoder:
         rows = [first + i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
         return StepPlan([*pending, self.last, *draft.tokens], rows, first, draft, masks, t0, t1, time.perf_counter())
 
-    def finish(self, plan: StepPlan, logits: torch.Tensor, forward_seconds: float) -> tuple[list[int], int]:
+    def finish(self, plan: StepPlan, logits: torch.Tensor, forward_seconds: float,
+               prompt_seconds: float | None = None) -> tuple[list[int], int]:
         """Steps 4-6 given the target's logits for positions ``plan.first..`` (``[k+1, V]``, rows
         not in ``plan.rows`` zero): verify, commit, book-keep. Returns the emitted tokens (EOS
         excluded) and how many fed positions the caller must drop from the KV cache (the
-        rejected drafts)."""
+        rejected drafts). ``prompt_seconds``: the part of the forward that fed the prompt (a
+        batch's step shares its forward; alone, the whole forward counts)."""
         st = self.stats
         draft, masks, first = plan.draft, plan.masks, plan.first
         k = len(draft.tokens)
         t2 = time.perf_counter()
         if first:
-            st.prefill_seconds += forward_seconds
+            st.prefill_seconds += forward_seconds if prompt_seconds is None else prompt_seconds
         for i, mask in enumerate(masks):
             apply_mask(logits[i], mask)
         t3 = time.perf_counter()

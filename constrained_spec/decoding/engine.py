@@ -3,8 +3,8 @@
 Requests join and leave between steps: a finished row frees its slot at once and a waiting
 request takes it. Each row keeps its own matcher, drafter, K policy and rollback; a step plans
 every row (K, draft, masks: ``SpeculativeDecoder.plan``), runs one forward over all rows'
-``[last, drafts...]`` (right-padded, each row at its own positions, ``RowCache``), then lets each
-row verify and commit (``SpeculativeDecoder.finish``), so a row in the engine runs the very lines
+``[last, drafts...]`` (packed into one sequence, each row at its own positions: ``decoding.packing``
+and ``RowCache``), then lets each row verify and commit (``SpeculativeDecoder.finish``), so a row in the engine runs the very lines
 a single request runs. Target-only batched decoding is the same engine with K = 0.
 
 A request's first step (its prompt pass, with its first draft) runs alone through the
@@ -28,9 +28,10 @@ import torch
 from ..constraint import Matcher
 from ..drafters import Drafter
 from ..errors import InvalidOptionError
-from .budget import BatchCost, batch_cost_prior, choose_width
+from .budget import BatchCost, batch_cost_prior, choose_drafts
 from .decoder import SpeculativeDecoder, StepPlan
 from .kpolicy import AdaptiveK, KPolicy
+from .packing import PACKED_PREFIX, install_packed_attention, pack_rows, padded_mask
 from .prefix import PrefixCache, prefix_cache_for
 from .profiles import detect_profile
 from .rowcache import RowCache
@@ -88,14 +89,15 @@ class BatchEngine:
         self.waiting: list[Request] = []
         self.active: list[Request] = []  # active[i] lives in cache slot i
         self._ids = itertools.count()
-        impl = getattr(target.config, "_attn_implementation", "sdpa")
-        self._additive_mask = impl == "eager"
+        install_packed_attention(target)
+        self._invariant = invariant
+        self._additive_mask = target.config._attn_implementation == PACKED_PREFIX + "eager"
         #: Forwards run by the engine for batched steps (prompt passes are the requests' own).
         self.batch_forwards = 0
         precision = precision or str(next(target.parameters()).dtype).replace("torch.", "")
         self.cost = BatchCost(*batch_cost_prior(profile or detect_profile(), precision))
-        #: Widths (1 + drafts) of the batched steps, for figures and tests.
-        self.widths: list[int] = []
+        #: Tokens fed by each batched step (rows plus kept drafts), for figures and tests.
+        self.step_tokens: list[int] = []
 
     def submit(self, prompt_ids: list[int], matcher: Matcher, *, drafter: Drafter | None = None,
                k_policy: KPolicy | None = None, temperature: float = 0.0, seed: int | None = None,
@@ -152,13 +154,12 @@ class BatchEngine:
         req.done = True
 
     def _admit(self, req: Request, finished: list[Request]) -> None:
-        """The request's first step, alone, through the single-request path; then into a slot."""
+        """Start the request (its shared prefix from the prefix cache, or computed in a pass of
+        its own) and give it a slot; the rest of its prompt rides in its first batched step."""
         dec = req.decoder
         try:
             dec.begin()
-            if not dec.done:
-                self._emit(req, dec.step())
-        except Exception as e:  # one request's failure (a dead end, say) must not stop the others
+        except Exception as e:  # one request's failure must not stop the others
             req.error = e
         if req.error is not None or dec.done or req.cancelled:
             self._close(req)
@@ -198,59 +199,67 @@ class BatchEngine:
         if not live:
             return
         b = len(self.active)
-        live = self._budget(live, b)
-        width = max(len(p.tokens) for _, p in live)
-        self.widths.append(width)
-        lengths = self.cache.lengths[:b].clone()
-        self.cache.reserve(int(lengths.max()) + width)
-        ids = torch.zeros(b, width, dtype=torch.long)
+        live = self._budget(live)
+        counts, prompts = [0] * b, [0] * b
         for i, p in live:
-            ids[i, : len(p.tokens)] = torch.tensor(p.tokens)
-        positions = lengths[:, None] + torch.arange(width)
-        keys = torch.arange(int(lengths.max()) + width)
-        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, width, kv]: own past + causal
+            counts[i], prompts[i] = len(p.tokens) - p.first, p.first
+        packing = pack_rows(self.cache.lengths, counts, prompts)
+        self.step_tokens.append(packing.tokens)
+        self.cache.reserve(packing.key_length)
+        ids = torch.tensor([t for _, p in live for t in p.tokens], dtype=torch.long)
+        mask = padded_mask(packing)
         if self._additive_mask:
             mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-        needed = sorted({r for _, p in live for r in p.rows})
-        t0 = time.perf_counter()
+        starts = dict(zip((i for i, _ in live), itertools.accumulate((len(p.tokens) for _, p in live), initial=0)))
+        needed = [starts[i] + r for i, p in live for r in p.rows]  # packed indices whose logits are read
         self.cache.active = b
-        logits = None
-        if needed:
-            out = self.target(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
-                              attention_mask=mask.to(self.device), cache=self.cache, use_cache=True,
-                              logits_to_keep=torch.tensor(needed, device=self.device))
-            logits = out.logits.float().cpu() if out.logits.dtype != torch.float64 else out.logits.cpu()
-        else:  # every row is in a single-token state: only the keys are needed
-            self.target.base_model(input_ids=ids.to(self.device), position_ids=positions.to(self.device),
-                                   attention_mask=mask.to(self.device), cache=self.cache, use_cache=True)
+        self.cache.packing = packing.to(self.device)
+        inputs = dict(input_ids=ids[None].to(self.device), position_ids=packing.positions[None].to(self.device),
+                      attention_mask=mask.to(self.device), cache=self.cache, use_cache=True, packing=self.cache.packing)
+        if self._invariant and packing.prompts:  # joining requests' prompt rows keep the stock kernels
+            inputs["prompt_rows"] = [(seg.start, seg.length) for seg in packing.prompts]
+        t0 = time.perf_counter()
+        try:
+            if needed:
+                out = self.target(**inputs, logits_to_keep=torch.tensor(needed, device=self.device))
+                logits = out.logits[0].cpu()
+                logits = logits if logits.dtype == torch.float64 else logits.float()
+            else:  # every row is in a single-token state: only the keys are needed
+                self.target.base_model(**inputs)
+                logits = None
+        finally:
+            self.cache.packing = None
         seconds = time.perf_counter() - t0
         self.batch_forwards += 1
-        self.cost.add(b * width, seconds)
-        column = {r: j for j, r in enumerate(needed)}
+        self.cost.add(packing.tokens, seconds)
+        column = {n: j for j, n in enumerate(needed)}
         vocab = logits.shape[-1] if logits is not None else int(self.target.config.vocab_size)
         dtype = logits.dtype if logits is not None else torch.float32
         for i, p in live:
             req = self.active[i]
-            rows = torch.zeros(len(p.tokens), vocab, dtype=dtype)
+            rows = torch.zeros(len(p.tokens) - p.first, vocab, dtype=dtype)
             for r in p.rows:
-                rows[r] = logits[i, column[r]]
+                rows[r - p.first] = logits[column[starts[i] + r]]
             try:
-                emitted, dropped = req.decoder.finish(p, rows, seconds)
+                # A joining row's prompt pass is its share of the forward, by tokens.
+                emitted, dropped = req.decoder.finish(p, rows, seconds, prompt_seconds=seconds * p.first / packing.tokens)
             except Exception as e:
                 req.error = e
                 continue
             self.cache.keep(i, len(p.tokens) - dropped)
             self._emit(req, emitted)
 
-    def _budget(self, live: list[tuple[int, StepPlan]], b: int) -> list[tuple[int, StepPlan]]:
-        """Cut the drafts of rows whose K policy allows it to the step width with the most
-        expected tokens per second (``decoding.budget``)."""
-        cuttable = {i for i, p in live if isinstance(self.active[i].decoder.k_policy, AdaptiveK)
-                    and self.active[i].decoder.k_policy.budgeted and p.draft.tokens}
-        if not cuttable:
+    def _budget(self, live: list[tuple[int, StepPlan]]) -> list[tuple[int, StepPlan]]:
+        """Cut the drafts of rows whose K policy allows it to the set with the most expected
+        tokens per second (``decoding.budget``)."""
+        def cuttable(i: int, p: StepPlan) -> bool:
+            policy = self.active[i].decoder.k_policy
+            return isinstance(policy, AdaptiveK) and policy.budgeted and bool(p.draft.tokens)
+
+        cut = [(i, p) for i, p in live if cuttable(i, p)]
+        if not cut:
             return live
-        survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds())  # type: ignore[union-attr]
-                     for i, p in live if i in cuttable]
-        min_width = max([1, *[len(p.tokens) for i, p in live if i not in cuttable]])
-        width = choose_width(survivals, min_width, b, self.cost)
-        return [(i, p.cut(width - 1) if i in cuttable else p) for i, p in live]
+        survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds()) for i, p in cut]  # type: ignore[union-attr]
+        fixed_tokens = sum(len(p.tokens) for _, p in live) - sum(len(p.draft.tokens) for _, p in cut)
+        keep = dict(zip((i for i, _ in cut), choose_drafts(survivals, fixed_tokens, float(len(live)), self.cost)))
+        return [(i, p.cut(keep[i]) if i in keep else p) for i, p in live]

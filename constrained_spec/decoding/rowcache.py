@@ -1,16 +1,17 @@
 """The batch engine's KV cache: one slot per active request, each with its own length.
 
 Design. Per layer, keys and values live in dense buffers ``[slots, kv_heads, capacity, head_dim]``;
-request ``i``'s cache is positions ``0 .. lengths[i] - 1`` of its slot. A step writes each row's
-new tokens at ``lengths[i] + t`` (rows are right-padded to the longest; padding writes land past
-the row's end and are never read) and attention sees each row's keys through a per-row causal
-mask over absolute positions. Rolling a row back is lowering its length: the rejected draft
-positions are simply overwritten by the next step, so rows roll back independently at no cost.
-Active rows always occupy slots ``0 .. active - 1``: a finished row's slot is refilled by moving
-the last active row into it (a copy of one row's positions), so a forward reads views of the
-buffers, never a gather. Capacity grows by doubling with the longest row, up to the model's
-context; memory is ``slots x capacity x bytes_per_token``, where ``bytes_per_token`` is
-``2 x layers x kv_heads x head_dim x dtype size`` (SmolLM2-135M in float32: 46 KiB).
+request ``i``'s cache is positions ``0 .. lengths[i] - 1`` of its slot. A step's tokens come
+packed (``decoding.packing``: one sequence of every row's new tokens, each with its row and
+position); ``update`` writes each token's keys at ``(row, position)`` and attention sees each
+row's keys through a per-row causal mask over absolute positions. Rolling a row back is lowering
+its length: the rejected draft positions are simply overwritten by a later step, so rows roll
+back independently at no cost. Active rows always occupy slots ``0 .. active - 1``: a finished
+row's slot is refilled by moving the last active row into it (a copy of one row's positions),
+so a forward reads views of the buffers, never a gather. Capacity grows by doubling with the
+longest row, up to the model's context; memory is ``slots x capacity x bytes_per_token``, where
+``bytes_per_token`` is ``2 x layers x kv_heads x head_dim x dtype size`` (SmolLM2-135M in
+float32: 46 KiB).
 
 transformers' continuous-batching ``PagedAttentionCache`` could hold this too (a caller-supplied
 length per request makes rollback free there as well), but its packed layout gathers every
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
+
+from .packing import PackedRows
 
 
 class RowCache(Cache):
@@ -51,15 +54,21 @@ class RowCache(Cache):
         self.dtype = dtype
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.active = 0
+        #: The layout of the step under way (set by the engine around each forward).
+        self.packing: PackedRows | None = None
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
 
     # -- the interface transformers' attention calls -------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the active rows' new keys / values (``[active, kv_heads, q, head_dim]``) at each
-        row's own length; return every active row's keys / values up to the longest row."""
-        b, heads, q, dim = key_states.shape
+        """Write the step's packed keys / values (``[1, kv_heads, N, head_dim]``, placed by
+        ``self.packing``) at each token's row and position; return every active row's keys /
+        values up to the furthest position written."""
+        packing = self.packing
+        if packing is None:
+            raise RuntimeError("RowCache.update outside a packed step (set RowCache.packing first)")
+        _, heads, _, dim = key_states.shape
         if self.dtype is not None:
             key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         if self.keys[layer_idx] is None:
@@ -67,12 +76,10 @@ class RowCache(Cache):
             self.keys[layer_idx] = key_states.new_zeros(shape)  # zeros: stale slots stay finite
             self.values[layer_idx] = value_states.new_zeros(shape)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        lengths = self.lengths[:b].to(key_states.device)
-        where = (lengths[:, None] + torch.arange(q, device=key_states.device))[:, None, :, None]
-        where = where.expand(b, heads, q, dim)
-        keys[:b].scatter_(2, where, key_states)
-        values[:b].scatter_(2, where, value_states)
-        kv = int(self.lengths[:b].max()) + q
+        # [slots, capacity, heads, dim] views: (row, position) pairs index the first two dims
+        keys.transpose(1, 2)[packing.rows, packing.positions] = key_states[0].transpose(0, 1)
+        values.transpose(1, 2)[packing.rows, packing.positions] = value_states[0].transpose(0, 1)
+        b, kv = packing.batch, packing.key_length
         return keys[:b, :, :kv], values[:b, :, :kv]
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
@@ -102,13 +109,13 @@ class RowCache(Cache):
         self.capacity = new
 
     def add_row(self, cache: DynamicCache) -> int:
-        """Take a request's single-row cache (its first step ran alone) into the next free slot."""
+        """Take a request's single-row cache (its shared prefix, or nothing) into the next free slot."""
         if self.active >= self.slots:
             raise RuntimeError("RowCache is full")
         slot = self.active
         length = cache.get_seq_length()
         self.reserve(length)
-        for i, layer in enumerate(cache.layers):
+        for i, layer in enumerate(cache.layers if length else ()):
             k, v = layer.keys, layer.values
             if self.dtype is not None:
                 k, v = k.to(self.dtype), v.to(self.dtype)

@@ -29,7 +29,7 @@ projection stays a float32 matmul: its 1e-5 differences reach no later rounding.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -41,32 +41,78 @@ ROW_BUCKET = 32
 
 
 class RowSplit:
-    """The number of leading prompt rows in the forward under way (per sequence), shared by a
-    model's routed linear layers and set from the forward's ``prompt_rows=`` by a hook."""
+    """Which rows of the forward under way are prompt rows, shared by a model's routed linear
+    layers and norms and set from the forward's ``prompt_rows=`` by a hook: an int (the
+    sequence's leading rows, a request's own pass) or a list of ``(start, length)`` segments (a
+    batch engine's packed step, where each joining request's prompt sits among other rows)."""
 
-    __slots__ = ("prompt_rows",)
+    __slots__ = ("segments",)
 
     def __init__(self) -> None:
-        self.prompt_rows = 0
+        self.segments: list[tuple[int, int]] = []
+
+    @property
+    def prompt_rows(self) -> int:
+        """Prompt rows in all (for tests and figures)."""
+        return sum(n for _, n in self.segments)
 
     def install(self, model: Any) -> None:
         """Track ``prompt_rows`` on ``model``'s decoder stack (the output projection after it
-        sees only output rows, so the count is cleared once the stack is done)."""
+        sees only output rows, so the segments are cleared once the stack is done)."""
         stack = getattr(model, "base_model", model)
 
         def enter(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
-            self.prompt_rows = int(kwargs.get("prompt_rows") or 0)
+            self.segments = prompt_segments(kwargs.get("prompt_rows"))
 
         def leave(*_: Any) -> None:
-            self.prompt_rows = 0
+            self.segments = []
 
         stack.register_forward_pre_hook(enter, with_kwargs=True)
         stack.register_forward_hook(leave)
 
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``[..., seq, d]`` -> (its prompt rows, its other rows), along ``seq``."""
-        p = min(self.prompt_rows, x.shape[-2]) if x.dim() >= 2 else 0
-        return x[..., :p, :], x[..., p:, :]
+    def pieces(self, rows: int) -> list[tuple[int, int, bool]]:
+        """``(start, end, is_prompt)`` runs covering rows ``0 .. rows - 1`` in order."""
+        out, at = [], 0
+        for start, length in self.segments:
+            start, end = min(start, rows), min(start + length, rows)
+            if start > at:
+                out.append((at, start, False))
+            if end > start:
+                out.append((start, end, True))
+            at = max(at, end)
+        if at < rows:
+            out.append((at, rows, False))
+        return out
+
+    def apply(self, x: torch.Tensor, prompt: Callable[[torch.Tensor], torch.Tensor],
+              new: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``prompt`` on each prompt segment of ``x`` (``[..., seq, d]``, along ``seq``), ``new``
+        on the other rows (all at once when they are contiguous), results in row order."""
+        pieces = self.pieces(x.shape[-2]) if x.dim() >= 2 else [(0, 0, False)]
+        if len(pieces) == 1 and not pieces[0][2]:
+            return new(x)
+        if all(p or e - s == 0 for s, e, p in pieces) or sum(not p for _, _, p in pieces) == 1:
+            return torch.cat([(prompt if p else new)(x[..., s:e, :]) for s, e, p in pieces], dim=-2)
+        # New rows in several runs (a packed step): one call over all of them, then interleave.
+        new_idx = torch.cat([torch.arange(s, e) for s, e, p in pieces if not p]).to(x.device)
+        out_new = new(x.index_select(-2, new_idx))
+        parts, at = [], 0
+        for s, e, p in pieces:
+            if p:
+                parts.append(prompt(x[..., s:e, :]))
+            else:
+                parts.append(out_new[..., at : at + e - s, :])
+                at += e - s
+        return torch.cat(parts, dim=-2)
+
+
+def prompt_segments(prompt_rows: int | list[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """``prompt_rows=`` as ``(start, length)`` segments."""
+    if not prompt_rows:
+        return []
+    if isinstance(prompt_rows, int):
+        return [(0, prompt_rows)]
+    return [(int(s), int(n)) for s, n in prompt_rows if n]
 
 
 class BucketedLinear(nn.Module):
@@ -86,13 +132,14 @@ class BucketedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., K]`` -> ``[..., N]``."""
-        prompt, new = self.rows.split(x) if x.dim() >= 2 else (x[:0], x)
+        return self.rows.apply(x, self.linear, self._bucketed)
+
+    def _bucketed(self, new: torch.Tensor) -> torch.Tensor:
         flat = new.reshape(-1, new.shape[-1])
         n = flat.shape[0]
         padded = torch.nn.functional.pad(flat, (0, 0, 0, -n % ROW_BUCKET))
         out = torch.cat([self.linear(block) for block in padded.split(ROW_BUCKET)])[:n]
-        out = out.reshape(*new.shape[:-1], out.shape[-1])
-        return torch.cat([self.linear(prompt), out], dim=-2) if prompt.shape[-2] else out
+        return out.reshape(*new.shape[:-1], out.shape[-1])
 
 
 def invariant_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -100,13 +147,8 @@ def invariant_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     prompt rows (``self.rows``) take the stock float32 mean, a tenth of a long prompt pass cheaper."""
     input_dtype = hidden_states.dtype
     x = hidden_states.to(torch.float32)
-    prompt, new = self.rows.split(x)
-    parts = []
-    if prompt.shape[-2]:
-        parts.append(prompt.pow(2).mean(-1, keepdim=True))
-    if new.shape[-2]:
-        parts.append((new.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32))
-    variance = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+    variance = self.rows.apply(x, lambda p: p.pow(2).mean(-1, keepdim=True),
+                               lambda n: (n.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32))
     x = x * torch.rsqrt(variance + self.variance_epsilon)
     return self.weight * x.to(input_dtype)
 
@@ -121,7 +163,11 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
 
     q_len, kv_len = query.shape[2], key.shape[2]
     past = kv_len - q_len
-    prompt_rows = int(kwargs.pop("prompt_rows", 0) or 0)
+    segments = prompt_segments(kwargs.pop("prompt_rows", 0))
+    if segments and segments != [(0, segments[0][1])]:
+        raise ValueError("invariant_attention takes leading prompt rows only; a packed step goes through "
+                         "decoding.packing, which calls it per prompt segment")
+    prompt_rows = segments[0][1] if segments else 0
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     parts = []
     if prompt_rows:
