@@ -3,17 +3,19 @@
 Requests join and leave between steps: a finished row frees its slot at once and a waiting
 request takes it. Each row keeps its own matcher, drafter, K policy and rollback; a step plans
 every row (K, draft, masks: ``SpeculativeDecoder.plan``), runs one forward over all rows'
-``[last, drafts...]`` (packed into one sequence, each row at its own positions: ``decoding.packing``
-and ``RowCache``), then lets each row verify and commit (``SpeculativeDecoder.finish``), so a row in the engine runs the very lines
-a single request runs. Target-only batched decoding is the same engine with K = 0.
+``[last, drafts...]``, packed into one sequence with each row at its own positions
+(``decoding.packing``, ``RowCache``), then lets each row verify and commit
+(``SpeculativeDecoder.finish``), so a row in the engine runs the very lines a single request
+runs. Target-only batched decoding is the same engine with K = 0.
 
-A request's first step (its prompt pass, with its first draft) runs alone through the
-single-request path, exactly as ``decode`` would run it, and its cache then moves into a slot:
-prompts differ in length by hundreds of tokens, so batching them with other rows' few new tokens
-would mostly add padding. With a batch-invariant model (native precision, GPUs; see
-``models.invariant``) each row's greedy tokens therefore equal that request's single-request
-tokens; in float64 they agree too (tested); a float32 model on the CPU rounds a batched row
-differently by ~1e-5, which can flip an exact near-tie.
+A joining request's shared prefix comes from the prefix cache (or a pass of its own, as alone);
+the rest of its prompt rides in its first batched step beside the other rows' new tokens, with
+its first draft after it, as its own first step would feed it. Its prompt rows are attended and
+normalized per segment with the kernels its own first pass uses (``decoding.packing``), so
+with a batch-invariant model (native precision, GPUs; see ``models.invariant``) each row's
+logits and keys are bit for bit those of that request alone (tested), and its greedy tokens
+equal its single-request tokens; in float64 they agree too (tested); a float32 model on the
+CPU rounds a batched row differently by ~1e-5, which can flip an exact near-tie.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..errors import InvalidOptionError
 from .budget import BatchCost, batch_cost_prior, choose_drafts
 from .decoder import SpeculativeDecoder, StepPlan
 from .kpolicy import AdaptiveK, KPolicy
-from .packing import PACKED_PREFIX, install_packed_attention, pack_rows, padded_mask
+from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
 from .prefix import PrefixCache, prefix_cache_for
 from .profiles import detect_profile
 from .rowcache import RowCache
@@ -203,19 +205,18 @@ class BatchEngine:
         counts, prompts = [0] * b, [0] * b
         for i, p in live:
             counts[i], prompts[i] = len(p.tokens) - p.first, p.first
-        packing = pack_rows(self.cache.lengths, counts, prompts)
+        packing = pack_rows(self.cache.lengths, counts, prompts, additive=self._additive_mask)
         self.step_tokens.append(packing.tokens)
         self.cache.reserve(packing.key_length)
         ids = torch.tensor([t for _, p in live for t in p.tokens], dtype=torch.long)
-        mask = padded_mask(packing)
-        if self._additive_mask:
-            mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
         starts = dict(zip((i for i, _ in live), itertools.accumulate((len(p.tokens) for _, p in live), initial=0)))
         needed = [starts[i] + r for i, p in live for r in p.rows]  # packed indices whose logits are read
         self.cache.active = b
         self.cache.packing = packing.to(self.device)
-        inputs = dict(input_ids=ids[None].to(self.device), position_ids=packing.positions[None].to(self.device),
-                      attention_mask=mask.to(self.device), cache=self.cache, use_cache=True, packing=self.cache.packing)
+        # The grids carry their own masks; any 4D mask keeps transformers from building one.
+        inputs = dict(input_ids=ids[None].to(self.device), position_ids=self.cache.packing.positions[None],
+                      attention_mask=self.cache.packing.grids[0].mask, cache=self.cache, use_cache=True,
+                      packing=self.cache.packing)
         if self._invariant and packing.prompts:  # joining requests' prompt rows keep the stock kernels
             inputs["prompt_rows"] = [(seg.start, seg.length) for seg in packing.prompts]
         t0 = time.perf_counter()

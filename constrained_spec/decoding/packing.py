@@ -45,26 +45,45 @@ class PromptSegment:
 
 
 @dataclass(frozen=True)
+class Grid:
+    """A padded ``[rows, width]`` block of a step's new tokens, attended at once: ``slots`` the
+    cache rows it covers (None: all ``0 .. b - 1``), ``offset`` the first column of those rows'
+    new tokens it holds; ``tokens`` the packed indices of its tokens, ``scatter`` their places
+    in the block (``row * width + col``), ``gather`` the block's packed indices (padding points
+    at one of its tokens, the result is dropped), ``mask`` ``[rows, 1, width, keys]``: each query
+    sees its own row's keys up to its own position."""
+
+    slots: torch.Tensor | None
+    width: int
+    offset: int
+    tokens: torch.Tensor
+    scatter: torch.Tensor
+    gather: torch.Tensor
+    mask: torch.Tensor
+
+    def to(self, device: torch.device) -> "Grid":
+        """The same on ``device``."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Grid(move(self.slots), self.width, self.offset, move(self.tokens), move(self.scatter), move(self.gather),
+                    move(self.mask))
+
+
+@dataclass(frozen=True)
 class PackedRows:
     """Where each of a step's ``N`` packed tokens sits: its row (cache slot) and absolute
-    position; the step's new tokens (each row's last token and drafts) also sit in a padded
-    ``[b, w]`` grid for attention: ``gather`` maps the grid to packed indices (padding points at
-    some new token, its results are dropped), ``scatter`` maps the new tokens, in packed order
-    (``new``), to the grid (``row * w + col``). ``prompts``: the prompt segments of rows that
-    join in this step, attended on their own (see ``packed_attention``)."""
+    position. The new tokens (each row's last token and drafts) are attended in padded grids:
+    all rows up to a width, and, when a few rows feed many more tokens than the rest, those
+    rows' further tokens in a second grid (so one long forced span does not pad every row).
+    ``prompts``: the prompt segments of rows that join in this step, attended on their own
+    (see ``_packed_attention``)."""
 
     rows: torch.Tensor
     positions: torch.Tensor
-    new: torch.Tensor
-    gather: torch.Tensor
-    scatter: torch.Tensor
     batch: int
-    width: int
     #: Keys every row's attention spans: the longest row's length (with its prompt) plus the
-    #: width, so a grid query ``t`` of any row lies at or before key ``key_length - width + t``.
+    #: widest row's new tokens, so any grid query lies at or before key ``key_length - width + t``.
     key_length: int
-    #: Each row's length before its new tokens (its cache and its prompt segment).
-    bases: torch.Tensor
+    grids: tuple[Grid, ...]
     prompts: tuple[PromptSegment, ...] = ()
 
     @property
@@ -76,39 +95,63 @@ class PackedRows:
         """The same on ``device``."""
         if self.rows.device == device:
             return self
-        return PackedRows(*(t.to(device) for t in (self.rows, self.positions, self.new, self.gather, self.scatter)),
-                          self.batch, self.width, self.key_length, self.bases.to(device), self.prompts)
+        return PackedRows(self.rows.to(device), self.positions.to(device), self.batch, self.key_length,
+                          tuple(g.to(device) for g in self.grids), self.prompts)
 
 
-def pack_rows(lengths: torch.Tensor, counts: list[int], prompt_counts: list[int] | None = None) -> PackedRows:
+#: What gathering one long row's keys for a second grid costs, in padded query rows.
+KEY_COPY_ROWS = 1
+
+
+def _split_width(counts: list[int]) -> int:
+    """The first grid's width: the one minimizing padded query rows over both grids."""
+    widest, b = max(counts), len(counts)
+    best, best_w = b * widest, widest
+    for w in sorted(set(counts)):
+        longer = sum(c > w for c in counts)
+        cost = b * w + longer * (widest - w + KEY_COPY_ROWS)
+        if 0 < w < widest and cost < best:
+            best, best_w = cost, w
+    return best_w
+
+
+def pack_rows(lengths: torch.Tensor, counts: list[int], prompt_counts: list[int] | None = None,
+              additive: bool = False) -> PackedRows:
     """The layout of a step in which row ``i`` (cache length ``lengths[i]``) feeds
     ``prompt_counts[i]`` prompt tokens (a request joining now) and then ``counts[i]`` new tokens
-    (0 for a row that sits the step out)."""
+    (0 for a row that sits the step out). ``additive``: masks as additive floats (eager attention)."""
     b = len(counts)
     prompt_counts = prompt_counts or [0] * b
-    width = max(max(counts), 1)
+    widest = max(max(counts), 1)
     fed = [p + n for p, n in zip(prompt_counts, counts)]
     rows = torch.repeat_interleave(torch.arange(b), torch.tensor(fed, dtype=torch.long))
     starts = list(itertools.accumulate(fed, initial=0))
-    cols = torch.arange(len(rows)) - torch.tensor(starts[:-1], dtype=torch.long)[rows]
     lengths = lengths[:b]
+    cols = torch.arange(len(rows)) - torch.tensor(starts[:-1], dtype=torch.long)[rows]
     positions = lengths[rows] + cols
-    new = torch.tensor([starts[i] + prompt_counts[i] + t for i in range(b) for t in range(counts[i])], dtype=torch.long)
-    new_rows = rows[new]
-    scatter = new_rows * width + (cols[new] - torch.tensor(prompt_counts, dtype=torch.long)[new_rows])
-    gather = torch.full((b * width,), int(new[0]) if len(new) else 0, dtype=torch.long)
-    gather[scatter] = new
-    bases = lengths + torch.tensor(prompt_counts, dtype=torch.long)
+    bases = lengths + torch.tensor(prompt_counts, dtype=torch.long)  # each row's first new position
+    key_length = int(bases.max()) + widest
+    split = _split_width(counts)
+    spans = [(0, split)] + ([(split, widest)] if split < widest else [])
+    grids = []
+    for lo, hi in spans:
+        slots = [i for i in range(b) if counts[i] > lo] if lo else list(range(b))
+        width = hi - lo
+        tokens, places = [], []
+        for g, i in enumerate(slots):
+            for t in range(lo, min(counts[i], hi)):
+                tokens.append(starts[i] + prompt_counts[i] + t)
+                places.append(g * width + t - lo)
+        tokens_t, scatter = torch.tensor(tokens, dtype=torch.long), torch.tensor(places, dtype=torch.long)
+        gather = torch.full((len(slots) * width,), tokens[0] if tokens else 0, dtype=torch.long)
+        gather[scatter] = tokens_t
+        query_pos = bases[slots][:, None] + lo + torch.arange(width)
+        mask = (torch.arange(key_length)[None, None, :] <= query_pos[:, :, None])[:, None]
+        if additive:
+            mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        grids.append(Grid(None if not lo else torch.tensor(slots, dtype=torch.long), width, lo, tokens_t, scatter, gather, mask))
     prompts = tuple(PromptSegment(i, starts[i], prompt_counts[i], int(lengths[i]), fed[i]) for i in range(b) if prompt_counts[i])
-    return PackedRows(rows, positions, new, gather, scatter, b, width, int(bases.max()) + width, bases, prompts)
-
-
-def padded_mask(packing: PackedRows) -> torch.Tensor:
-    """``[b, 1, w, keys]`` boolean: row ``i``'s grid query ``t`` sees its own keys up to its own
-    position (absolute), nothing of other rows."""
-    positions = packing.bases[:, None].cpu() + torch.arange(packing.width)
-    keys = torch.arange(packing.key_length)
-    return (keys[None, None, :] <= positions[:, :, None])[:, None]
+    return PackedRows(rows, positions, b, key_length, tuple(grids), prompts)
 
 
 def prompt_mask(segment: PromptSegment, additive: bool, dtype: torch.dtype) -> torch.Tensor | None:
@@ -142,26 +185,26 @@ def _packed_attention(base: str):
         if packing is None:
             return fn(module, query, key, value, attention_mask, **kwargs)
         kwargs.pop("prompt_rows", None)  # the segments are in ``packing``
-        # New tokens: query [1, h, N, d] -> the [b, h, w, d] grid, each row against its own keys.
         heads, dim = query.shape[1], query.shape[3]
-        q = query[0].index_select(1, packing.gather).view(heads, packing.batch, packing.width, dim).transpose(0, 1)
-        out, _ = fn(module, q, key, value, attention_mask, **kwargs)  # [b, w, h, d]
-        out = out.reshape(packing.batch * packing.width, heads, dim).index_select(0, packing.scatter)
-        if not packing.prompts:
-            return out[None], None
+        out = query.new_empty(query.shape[2], heads, dim)  # [N, h, d]
+        # New tokens: grids of [rows, h, w, d] queries, each row against its own keys.
+        for grid in packing.grids:
+            k, v = (key, value) if grid.slots is None else (key.index_select(0, grid.slots), value.index_select(0, grid.slots))
+            rows = k.shape[0]
+            q = query[0].index_select(1, grid.gather).view(heads, rows, grid.width, dim).transpose(0, 1)
+            got, _ = fn(module, q, k, v, grid.mask, **kwargs)  # [rows, w, h, d]
+            out[grid.tokens] = got.reshape(rows * grid.width, heads, dim).index_select(0, grid.scatter)
         # Prompt segments: each exactly as the request's own first pass computes its prompt rows.
-        full = out.new_empty(query.shape[2], heads, dim)
-        full[packing.new] = out
         additive = base == "eager"
         for seg in packing.prompts:
             keys = seg.past + seg.length
             k, v = (t[seg.row : seg.row + 1, :, :keys].to(query.dtype) for t in (key, value))
             mask = prompt_mask(seg, additive, query.dtype)
             extra = {"prompt_rows": seg.length} if base == INVARIANT else {}
-            seg_out, _ = fn(module, query[:, :, seg.start : seg.start + seg.length], k, v,
-                            None if mask is None else mask.to(query.device), **kwargs, **extra)
-            full[seg.start : seg.start + seg.length] = seg_out[0]
-        return full[None], None
+            got, _ = fn(module, query[:, :, seg.start : seg.start + seg.length], k, v,
+                        None if mask is None else mask.to(query.device), **kwargs, **extra)
+            out[seg.start : seg.start + seg.length] = got[0]
+        return out[None], None
 
     return attention
 

@@ -1,0 +1,114 @@
+"""Packed batched steps: the layout round-trips, and on the embedded model at native precision
+a request that joins inside a batched step (its prompt packed among other rows' new tokens)
+gets bit for bit the keys its own first pass computes, in every layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from constrained_spec.constraint import compile_constraint
+from constrained_spec.decoding import FixedK, PrefixCache, SpeculativeDecoder
+from constrained_spec.decoding.engine import BatchEngine
+from constrained_spec.decoding.packing import pack_rows
+from constrained_spec.decoding.prefix import shared_prefix_length
+from constrained_spec.drafters import build_drafter
+from tests.test_prefix import DOCS, ROOT, SHARED
+
+
+def test_pack_rows_places_every_token_once():
+    lengths = torch.tensor([7, 3, 10, 5])
+    # row 0: 3 new; row 1: a joining prompt of 4, then 2 new; row 2 sits out; row 3: 3 new
+    p = pack_rows(lengths, [3, 2, 0, 3], [0, 4, 0, 0])
+    assert p.tokens == 12 and p.batch == 4
+    assert p.rows.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 3, 3, 3]
+    assert p.positions.tolist() == [7, 8, 9, 3, 4, 5, 6, 7, 8, 5, 6, 7]
+    [grid] = p.grids
+    assert grid.slots is None and grid.width == 3
+    assert grid.tokens.tolist() == [0, 1, 2, 7, 8, 9, 10, 11]  # the prompt tokens (3..6) are not in the grid
+    cells = torch.full((4 * 3,), -1)
+    cells[grid.scatter] = grid.tokens
+    assert cells.view(4, 3).tolist() == [[0, 1, 2], [7, 8, -1], [-1, -1, -1], [9, 10, 11]]
+    assert torch.equal(grid.gather[grid.scatter], grid.tokens)  # grid -> packed undoes packed -> grid
+    [seg] = p.prompts
+    assert (seg.row, seg.start, seg.length, seg.past, seg.fed) == (1, 3, 4, 3, 6)
+    assert p.key_length == 10 + 3  # the longest base (row 2: 10) plus the widest row
+    assert grid.mask.shape == (4, 1, 3, 13)
+    assert grid.mask[1, 0, 0].nonzero().flatten().tolist() == list(range(8))  # row 1's first new token: position 7
+    assert grid.mask[0, 0, 2].nonzero().flatten().tolist() == list(range(10))
+
+
+def test_one_long_row_goes_to_a_second_grid():
+    """Eight rows feed 2 tokens, one a 12-token forced span: its tokens past the others' width go
+    to a grid of their own instead of padding every row to 12."""
+    counts = [2] * 8 + [12]
+    p = pack_rows(torch.arange(10, 19), counts)
+    a, b = p.grids
+    assert (a.slots, a.width, a.offset) == (None, 2, 0)
+    assert b.slots.tolist() == [8] and (b.width, b.offset) == (10, 2)
+    assert sorted(a.tokens.tolist() + b.tokens.tolist()) == list(range(sum(counts)))  # every token once
+    # The long row's first grid query sits at position 18 (its cache length), the second grid's first at 20.
+    assert a.mask[8, 0, 0].nonzero().flatten().tolist() == list(range(19))
+    assert b.mask[0, 0, 0].nonzero().flatten().tolist() == list(range(21))
+    assert pack_rows(torch.arange(10, 19), [2] * 9).grids[0].width == 2  # even rows: one grid
+
+
+@pytest.fixture(scope="module")
+def native(smol):
+    assert getattr(smol.model, "batch_invariant", False), "the default precision on the CPU is native, batch-invariant"
+    compiled = compile_constraint(ROOT / "schemas" / "person.json", smol.vocabulary)
+    prompts = [smol.tokenizer(SHARED + d)["input_ids"] for d in DOCS]
+    shared = shared_prefix_length(prompts[0], smol.tokenizer(SHARED)["input_ids"])
+    return smol, compiled, prompts, shared
+
+
+def _decoder(smol, compiled, prompt, prefix_len, cache):
+    m = compiled.matcher()
+    drafter = build_drafter("auto", m, smol.tokenizer)
+    return SpeculativeDecoder(smol.model, m, prompt, drafter=drafter, k_policy=FixedK(6), max_new_tokens=24,
+                              prefix_len=prefix_len, prefix_cache=cache)
+
+
+def test_a_joining_prompt_gets_its_own_first_pass_bit_for_bit(native, monkeypatch):
+    """Three requests join one engine at different times (one with no shared prefix, two from
+    the prefix cache; one while the others decode): each one's keys equal those of its own first
+    pass exactly, and its first-step logits up to the output projection's rounding."""
+    smol, compiled, prompts, shared = native
+    cache = PrefixCache()
+    specs = [(prompts[0], None), (prompts[1], shared), (prompts[2], shared)]
+    reference = []
+    for prompt, prefix_len in specs:
+        dec = _decoder(smol, compiled, prompt, prefix_len, cache)
+        dec.begin()
+        plan = dec.plan()
+        logits = dec._forward(plan.tokens, plan.rows, plan.first)
+        keys = [layer.keys[0].double() for layer in dec.cache.layers]
+        reference.append((plan.tokens, logits, keys, len(plan.draft.tokens)))
+        dec.close()
+
+    engine = BatchEngine(smol.model, max_batch=2, prefix_cache=cache)
+    captured: dict[int, tuple[list[int], torch.Tensor, list[torch.Tensor]]] = {}
+    finish = SpeculativeDecoder.finish
+
+    def spy(self, plan, logits, seconds, prompt_seconds=None):
+        if plan.first:
+            req = next(r for r in engine.active if r.decoder is self)
+            n = int(engine.cache.lengths[req.slot]) + len(plan.tokens)
+            keys = [k[req.slot, :, :n].clone() for k in engine.cache.keys]
+            captured[reqs.index(req)] = (plan.tokens, logits.clone(), keys)
+        return finish(self, plan, logits, seconds, prompt_seconds)
+
+    monkeypatch.setattr(SpeculativeDecoder, "finish", spy)
+    reqs = [engine.submit(prompt, (m := compiled.matcher()), drafter=build_drafter("auto", m, smol.tokenizer),
+                          k_policy=FixedK(6), max_new_tokens=24, prefix_len=prefix_len) for prompt, prefix_len in specs]
+    list(engine.run())
+    assert sorted(captured) == [0, 1, 2]
+    for i, (tokens, logits, keys, _) in enumerate(reference):
+        got_tokens, got_logits, got_keys = captured[i]
+        assert got_tokens == tokens
+        assert all(torch.equal(a, b) for a, b in zip(got_keys, keys)), f"request {i}: keys differ"
+        # The output projection is a plain float32 matmul whose blocking follows its row count
+        # (``models.invariant``): equal up to its rounding, and the same tokens win.
+        torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got_logits.argmax(-1), logits.argmax(-1))
+    assert all(drafts for *_, drafts in reference)  # every first step verified drafts beside its prompt
