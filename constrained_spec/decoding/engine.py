@@ -233,14 +233,15 @@ class BatchEngine:
         seconds = time.perf_counter() - t0
         self.batch_forwards += 1
         self.cost.add(packing.tokens, seconds)
-        column = {n: j for j, n in enumerate(needed)}
         vocab = logits.shape[-1] if logits is not None else int(self.target.config.vocab_size)
         dtype = logits.dtype if logits is not None else torch.float32
+        read = 0  # ``needed`` lists each row's positions in turn: its logits are the next len(rows)
         for i, p in live:
             req = self.active[i]
             rows = torch.zeros(len(p.tokens) - p.first, vocab, dtype=dtype)
-            for r in p.rows:
-                rows[r - p.first] = logits[column[starts[i] + r]]
+            if p.rows:
+                rows[torch.tensor(p.rows) - p.first] = logits[read : read + len(p.rows)]
+                read += len(p.rows)
             try:
                 # A joining row's prompt pass is its share of the forward, by tokens.
                 emitted, dropped = req.decoder.finish(p, rows, seconds, prompt_seconds=seconds * p.first / packing.tokens)

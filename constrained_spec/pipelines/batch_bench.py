@@ -7,7 +7,8 @@ sweep: it is per-document decoding, target-only and speculative. Every record is
 the per-document target-only record of the same document.
 
 Figures per configuration: output tokens per second over the whole job (prompt passes included)
-and over its decode phase (wall time less the requests' prompt passes), per-request latency p50 /
+and over its decode phase (wall time less the requests' prompt passes: a joining request's
+share of its first batched step, by tokens), per-request latency p50 /
 p99 (from a request's admission to its last token; every job submits all its documents at
 once, so time spent waiting for a slot is left out), target forwards per output token (every
 forward the job ran, counted at the model), accepted tokens by drafter kind, and the memory of
