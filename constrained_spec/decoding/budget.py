@@ -15,6 +15,13 @@ the best set is the ``m`` most likely draft tokens over all rows for the best ``
 that is almost surely accepted is kept (a 12-token span in one row costs 12 tokens, not 12 per
 row), a long guess that would mostly be rejected is not. Rows whose K is fixed, or whose seeded
 sampling must not depend on the batch, are not cut.
+
+Sampling stays exact: whether a draft token x_j is verified must not depend on x_j itself.
+Adding the next most likely token raises the objective iff its survival exceeds the current
+rate times the per-token cost, and once one does not, none after it does (the rate only falls
+towards it), so the best m is the first stop: x_j's fate is decided by the survivals ranked
+above it, which are its own row's earlier positions (kinds fixed before x_j is drawn) and other
+rows' drafts, never by x_j or what follows it.
 """
 
 from __future__ import annotations

@@ -140,6 +140,14 @@ class SpeculativeDecoder:
                                  k_policy=type(self.k_policy).__name__,
                                  k_max=getattr(self.k_policy, "k_max", 0) if drafter else 0)
         self._started = time.perf_counter()
+        #: Set by a batch engine that decodes this request among others (``decoding.engine``).
+        self.in_batch = False
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether a batch engine's step budget cuts this request's drafts (in a batch, with an
+        adaptive policy that allows it: not a fixed K, not seeded sampling)."""
+        return self.in_batch and bool(getattr(self.k_policy, "budgeted", False))
 
     @property
     def state(self) -> State:
@@ -196,8 +204,10 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         if k > 0 and self.drafter is not None:
             draft = self.drafter.propose(self.prompt_ids + self.output, self.state, k)
-            keep = self.k_policy.trim(draft.token_kinds())
-            if keep < len(draft.tokens):  # verify only the prefix that is expected to pay
+            # Verify only the prefix that is expected to pay; in a batch engine that may cut
+            # the draft, its step budget decides instead (the single-request cost does not apply).
+            keep = len(draft.tokens) if self.budgeted else self.k_policy.trim(draft.token_kinds())
+            if keep < len(draft.tokens):
                 draft = draft.prefix(keep)
         else:
             draft = Draft([], [self.state])
@@ -262,7 +272,10 @@ class SpeculativeDecoder:
                     self.repetition = (cycle, copies)
         t6 = time.perf_counter()
         # 6. Book-keeping for the K policy and the stats.
-        self.k_policy.update(draft.token_kinds(), n, None if first else forward_seconds, plan.t1 - plan.t0)
+        # A batched step's time is the batch's, not this request's verify cost: only alone does it
+        # teach the policy's cost curve (the prompt pass never does).
+        verify_seconds = None if first or self.in_batch else forward_seconds
+        self.k_policy.update(draft.token_kinds(), n, verify_seconds, plan.t1 - plan.t0)
         constraint_s = (plan.tc - plan.t1) + (t3 - t2) + (t6 - t5)
         st.target_forwards += 1
         st.drafted += k

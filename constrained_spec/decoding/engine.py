@@ -32,7 +32,7 @@ from ..drafters import Drafter
 from ..errors import InvalidOptionError
 from .budget import BatchCost, batch_cost_prior, choose_drafts
 from .decoder import SpeculativeDecoder, StepPlan
-from .kpolicy import AdaptiveK, KPolicy
+from .kpolicy import KPolicy
 from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
 from .prefix import PrefixCache, prefix_cache_for
 from .profiles import detect_profile
@@ -112,6 +112,7 @@ class BatchEngine:
         dec = SpeculativeDecoder(self.target, matcher, prompt_ids, drafter=drafter, k_policy=k_policy,
                                  temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                                  prefix_len=prefix_len, prefix_cache=self.prefix_cache, max_repeats=max_repeats)
+        dec.in_batch = True
         req = Request(next(self._ids), dec, on_tokens)
         self.waiting.append(req)
         return req
@@ -254,11 +255,7 @@ class BatchEngine:
     def _budget(self, live: list[tuple[int, StepPlan]]) -> list[tuple[int, StepPlan]]:
         """Cut the drafts of rows whose K policy allows it to the set with the most expected
         tokens per second (``decoding.budget``)."""
-        def cuttable(i: int, p: StepPlan) -> bool:
-            policy = self.active[i].decoder.k_policy
-            return isinstance(policy, AdaptiveK) and policy.budgeted and bool(p.draft.tokens)
-
-        cut = [(i, p) for i, p in live if cuttable(i, p)]
+        cut = [(i, p) for i, p in live if self.active[i].decoder.budgeted and p.draft.tokens]
         if not cut:
             return live
         survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds()) for i, p in cut]  # type: ignore[union-attr]
