@@ -99,8 +99,10 @@ class PackedRows:
                           tuple(g.to(device) for g in self.grids), self.prompts)
 
 
-#: What gathering one long row's keys for a second grid costs, in padded query rows.
-KEY_COPY_ROWS = 1
+#: What gathering one long row's keys and values for a second grid costs, in padded query rows
+#: (a row's float64 keys and values are ~1 MB at 350 positions here; a padded query row attends
+#: over them with ~0.8 MFLOP).
+KEY_COPY_ROWS = 4
 
 
 def _split_width(counts: list[int]) -> int:
