@@ -1,20 +1,22 @@
-"""Packed batched steps: every row's new tokens in one sequence, padded only inside attention.
+"""Packed batched steps: every row's tokens in one sequence, rows kept apart only in attention.
 
 A batched step's rows verify different numbers of tokens: one row a 12-token forced span,
-another its last token alone. Right-padded to one width ``w``, every linear layer, norm and the
-output projection would pay for ``b x w`` rows; on this CPU a forward grows about 2 ms per row
-(the int4 kernel computes each row on its own), so padding would cost what the drafts save.
-Packed, the model sees one sequence ``[1, N]`` of all rows' tokens, each at its own row's
-position (``position_ids``), and pays for the ``N`` tokens that are there. Only attention needs
-rows apart: ``packed_attention`` gathers the queries into ``[b, w]`` (each row's tokens, then
-padding), lets the model's own attention (sdpa, eager or the batch-invariant one) attend each
-row to its own keys through the per-row mask, and scatters the outputs back into ``[1, N]``.
-The row cache writes each token's keys at its row's slot and position (``RowCache.step``).
-The output projection then runs on the rows whose logits are needed, by packed index.
+another its last token alone, a joining request its whole prompt. Right-padded to one width
+``w``, every linear layer, norm and the output projection would pay for ``b x w`` rows; on this
+CPU a forward grows about 2 ms per row (the int4 kernel computes each row on its own), so
+padding would cost what the drafts save. Packed, the model sees one sequence ``[1, N]`` of all
+rows' tokens, each at its own row's position (``position_ids``), and pays for the ``N`` tokens
+that are there; the output projection runs on the packed positions whose logits are read. The
+row cache writes each token's keys at its row's slot and position (``RowCache.packing``).
 
-Attention's padded query rows cost ``b x w x keys`` there, the one place padding remains; it is
-a small part of a forward of this model.
-"""
+Only attention needs rows apart (``_packed_attention``, a wrapper around the model's own
+implementation: sdpa, eager or the batch-invariant one). A step's new tokens are gathered into
+padded grids ``[rows, h, w, d]`` (all rows up to a width; a row feeding many more tokens than
+the rest gets a second grid with its keys gathered), each row attending to its own keys through
+a per-row mask, and scattered back. A joining request's prompt segment is attended on its own,
+with the very call its own first pass makes (its keys only, the mask that pass builds), so its
+prompt rows come out as they would alone. Padded grid cells are the one place padding remains.
+""""""
 
 from __future__ import annotations
 
@@ -172,6 +174,7 @@ def prompt_mask(segment: PromptSegment, additive: bool, dtype: torch.dtype) -> t
 
 
 def _base_attention(name: str, module: Any) -> Any:
+    """The attention function transformers registers as ``name`` (eager: the module's own)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if name == "eager":  # modeling files define eager attention themselves
@@ -179,7 +182,9 @@ def _base_attention(name: str, module: Any) -> Any:
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def _packed_attention(base: str):
+def _packed_attention(base: str) -> Any:
+    """The attention function registered for a model whose own implementation is ``base``."""
+
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, packing: PackedRows | None = None,
                   **kwargs: Any) -> tuple[torch.Tensor, Any]:
