@@ -16,7 +16,7 @@ the rest gets a second grid with its keys gathered), each row attending to its o
 a per-row mask, and scattered back. A joining request's prompt segment is attended on its own,
 with the very call its own first pass makes (its keys only, the mask that pass builds), so its
 prompt rows come out as they would alone. Padded grid cells are the one place padding remains.
-""""""
+"""
 
 from __future__ import annotations
 
