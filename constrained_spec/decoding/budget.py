@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 
 from .linefit import LineSums
 
-#: Prior (t0 seconds, t1 seconds per row) by (profile, precision), measured on the 2-core CPU.
+#: Prior (t0 seconds, t1 seconds per packed token) by (profile, precision), measured on the 2-core CPU.
 #: float32: the issue's measurement (31 ms + 1.7 ms per token in the batch).
 BATCH_COST_PRIORS: dict[tuple[str, str], tuple[float, float]] = {
     ("cpu", "native"): (0.040, 0.0022),
     ("cpu", "float32"): (0.031, 0.0017),
 }
-#: Where nothing was measured: an accelerator whose forward barely grows with rows.
+#: Where nothing was measured: an accelerator whose forward barely grows with tokens.
 DEFAULT_BATCH_COST = (0.020, 0.0002)
 
 
@@ -59,9 +59,9 @@ class BatchCost:
     prior_weight: float = 8.0
     sums: LineSums = field(default_factory=LineSums)
 
-    def add(self, rows: int, seconds: float) -> None:
-        """Fold one forward in."""
-        self.sums.add(rows, seconds)
+    def add(self, tokens: int, seconds: float) -> None:
+        """Fold one forward over ``tokens`` packed tokens in."""
+        self.sums.add(tokens, seconds)
 
     def fitted(self) -> tuple[float, float]:
         """``(t0, t1)`` now."""
@@ -78,10 +78,10 @@ class BatchCost:
         t0 = max((n * t0_fit + w * self.t0) / (n + w), 1e-4)
         return t0, t1
 
-    def seconds(self, rows: int) -> float:
-        """Predicted seconds of a forward over ``rows`` rows."""
+    def seconds(self, tokens: int) -> float:
+        """Predicted seconds of a forward over ``tokens`` packed tokens."""
         t0, t1 = self.fitted()
-        return t0 + t1 * rows
+        return t0 + t1 * tokens
 
 
 def choose_drafts(survivals: list[list[float]], fixed_tokens: int, fixed_expected: float, cost: BatchCost) -> list[int]:
