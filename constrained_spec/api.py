@@ -7,6 +7,7 @@ goes one way: loaded once, compiled once (cached), one matcher for the request.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
-from .decoding.prefix import shared_prefix_length
+from .decoding.prefix import MIN_PREFIX, shared_prefix_length
 from .drafters import Drafter, build_drafter
 from .errors import (
     InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, RepetitionError, TokenLimitError,
@@ -47,6 +48,20 @@ def encode_chat(handle: ModelHandle, messages: list[dict[str, str]]) -> list[int
         raise InvalidPromptError("Invalid messages: the model has no chat template; send a plain prompt instead.")
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return _fit(handle, tok(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_prefix_length(handle: ModelHandle, messages: list[dict[str, str]], ids: list[int]) -> int | None:
+    """How many leading tokens of a conversation's ``ids`` every conversation that opens with
+    the same system turns shares: those turns (or the default system prompt the template adds)
+    and the opening of the next turn. None when there is no later turn, no chat template, or
+    fewer than ``MIN_PREFIX`` tokens (not worth a pass of their own)."""
+    tok = handle.tokenizer
+    system = list(itertools.takewhile(lambda m: m.get("role") == "system", messages))
+    if len(system) == len(messages) or not getattr(tok, "chat_template", None):
+        return None
+    probe = tok.apply_chat_template(system + [{"role": "user", "content": ""}], tokenize=False)
+    n = shared_prefix_length(ids, tok(probe, add_special_tokens=False)["input_ids"])
+    return n if n >= MIN_PREFIX else None
 
 
 def encode_text(handle: ModelHandle, text: str) -> list[int]:
@@ -120,14 +135,18 @@ class RequestParts:
 
 def prepare_request(handle: ModelHandle, draft_handle: ModelHandle | None, compiled: CompiledConstraint,
                     prompt: str, opts: SpecOptions, task: str, shared_prefix: str | None = None,
-                    prompt_ids: list[int] | None = None) -> RequestParts:
+                    prompt_ids: list[int] | None = None, prefix_len: int | None = None) -> RequestParts:
     """Encode the prompt and build the request's matcher, drafter and K policy (every check
     that can fail before a forward). ``shared_prefix``: the leading text of ``prompt`` that
-    other requests share (see ``decoding.prefix``). ``prompt_ids``: the prompt already encoded
-    (a conversation, say); ``prompt`` is then only the text drafters copy from."""
+    other requests share (see ``decoding.prefix``); without one, a prompt put through the chat
+    template shares the template's system part (``chat_prefix_length``). ``prompt_ids``: the
+    prompt already encoded (a conversation, say; ``prefix_len`` then its shared tokens, if
+    any); ``prompt`` is then only the text drafters copy from."""
     matcher = compiled.matcher()
-    prompt_ids = encode_prompt(handle, prompt) if prompt_ids is None else prompt_ids
-    prefix_len = None
+    if prompt_ids is None:
+        prompt_ids = encode_prompt(handle, prompt)
+        if not shared_prefix:
+            prefix_len = chat_prefix_length(handle, [{"role": "user", "content": prompt}], prompt_ids)
     if shared_prefix:
         if not isinstance(shared_prefix, str) or not prompt.startswith(shared_prefix):
             raise InvalidOptionError("Invalid shared_prefix: expected the leading text of the prompt.")

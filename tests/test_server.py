@@ -88,6 +88,25 @@ def test_json_schema_answer_equals_in_process_greedy_output(client, smol):
     assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 10
 
 
+def test_conversations_sharing_a_system_prompt_share_its_keys(client, smol):
+    """The system turn (and the template around it) is the request's shared prefix: computed for
+    the first conversation, taken from the prefix cache by the next."""
+    system = {"role": "system", "content": "You extract people from short documents. Answer with one JSON "
+                                           "object holding the person's name and age, nothing else."}
+    docs = ["Tom Okafor (52) is a harbour pilot in Rotterdam.", "Aisha Rahman, 29, writes software in Oslo."]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    replies = [client.chat.completions.create(model="default", messages=[system, {"role": "user", "content": d}],
+                                              temperature=0, max_tokens=48, response_format=fmt) for d in docs]
+    cached = [r.model_extra["constrained_spec"]["prefix_cached_tokens"] for r in replies]
+    assert cached[1] >= 16 and cached[1] >= cached[0]  # the second one reused the system turn's keys
+    from constrained_spec.api import chat_prefix_length, encode_chat
+
+    messages = [system, {"role": "user", "content": docs[1]}]
+    ids = encode_chat(smol, messages)
+    assert cached[1] == chat_prefix_length(smol, messages, ids)
+    assert smol.tokenizer.decode(ids[: cached[1]]).endswith("<|im_start|>user")  # the system turn, the next opening
+
+
 def test_pydantic_model_through_the_clients_parse_helper(client):
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
     reply = parse(model="default", messages=[{"role": "user", "content": PROMPT}], response_format=Person,

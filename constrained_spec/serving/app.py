@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..api import encode_chat, encode_text, prepare_request, resolve_draft, validate_json_output
+from ..api import chat_prefix_length, encode_chat, encode_text, prepare_request, resolve_draft, validate_json_output
 from ..constraint import CompiledConstraint, JsonSchema, compile_constraint, load_schema
 from ..decoding import BatchEngine, DecodeStats, SpecOptions
 from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidPromptError, OutputValidationError
@@ -155,7 +155,10 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
         task = "json" if parsed.constraint.kind == "json" else "text"
         uses_draft = draft_handle if opts.drafter_kind in ("model", "hybrid") else None
         try:
-            parts = prepare_request(handle, uses_draft, entry.compiled, parsed.source_text, opts, task, prompt_ids=ids)
+            # Conversations opening with the same system turns share their keys (prefix cache).
+            shared = chat_prefix_length(handle, parsed.messages, ids) if parsed.messages is not None else None
+            parts = prepare_request(handle, uses_draft, entry.compiled, parsed.source_text, opts, task, prompt_ids=ids,
+                                    prefix_len=shared)
         except InvalidOptionError as e:  # drafter "model" on a server without a draft model
             raise ApiError(400, str(e), param="speculative.drafter", code="invalid_value") from None
         job = Job(parts, opts, asyncio.get_running_loop())
@@ -413,6 +416,7 @@ class _Run:
                         "acceptance_rate": round(s.acceptance_rate, 4),
                         "acceptance_by_kind": {k: round(r["accepted"] / r["drafted"], 4) for k, r in kinds.items()},
                         "k_mean": round(sum(s.ks) / len(s.ks), 2) if s.ks else 0.0,
+                        "prefix_cached_tokens": s.prefix_cached_tokens,
                         "relaxed": list(s.relaxed)})
         return ext
 
