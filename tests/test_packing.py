@@ -20,7 +20,7 @@ def test_pack_rows_places_every_token_once():
     lengths = torch.tensor([7, 3, 10, 5])
     # row 0: 3 new; row 1: a joining prompt of 4, then 2 new; row 2 sits out; row 3: 3 new
     p = pack_rows(lengths, [3, 2, 0, 3], [0, 4, 0, 0])
-    assert p.tokens == 12 and p.batch == 4
+    assert p.tokens == 12 and p.batch == 4 and p.starts == [0, 3, 9, 9]
     assert p.rows.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 3, 3, 3]
     assert p.positions.tolist() == [7, 8, 9, 3, 4, 5, 6, 7, 8, 5, 6, 7]
     [grid] = p.grids

@@ -13,8 +13,8 @@ the rest of its prompt rides in its first batched step beside the other rows' ne
 its first draft after it, as its own first step would feed it. Its prompt rows are attended and
 normalized per segment with the kernels its own first pass uses (``decoding.packing``), so
 with a batch-invariant model (native precision, GPUs; see ``models.invariant``) each row's
-logits and keys are bit for bit those of that request alone (tested), and its greedy tokens
-equal its single-request tokens; in float64 they agree too (tested); a float32 model on the
+keys are bit for bit those of that request alone (tested; its logits up to the output
+projection's float32 rounding), and its greedy tokens equal its single-request tokens; in float64 they agree too (tested); a float32 model on the
 CPU rounds a batched row differently by ~1e-5, which can flip an exact near-tie.
 """
 
@@ -94,7 +94,7 @@ class BatchEngine:
         install_packed_attention(target)
         self._invariant = invariant
         self._additive_mask = target.config._attn_implementation == PACKED_PREFIX + "eager"
-        #: Forwards run by the engine for batched steps (prompt passes are the requests' own).
+        #: Forwards run by the engine for batched steps (a shared prefix's own pass is the request's).
         self.batch_forwards = 0
         precision = precision or str(next(target.parameters()).dtype).replace("torch.", "")
         self.cost = BatchCost(*batch_cost_prior(profile or detect_profile(), precision))
@@ -210,8 +210,7 @@ class BatchEngine:
         self.step_tokens.append(packing.tokens)
         self.cache.reserve(packing.key_length)
         ids = torch.tensor([t for _, p in live for t in p.tokens], dtype=torch.long)
-        starts = dict(zip((i for i, _ in live), itertools.accumulate((len(p.tokens) for _, p in live), initial=0)))
-        needed = [starts[i] + r for i, p in live for r in p.rows]  # packed indices whose logits are read
+        needed = [packing.starts[i] + r for i, p in live for r in p.rows]  # packed indices whose logits are read
         self.cache.active = b
         self.cache.packing = packing.to(self.device)
         # The grids carry their own masks; any 4D mask keeps transformers from building one.

@@ -81,6 +81,8 @@ class PackedRows:
 
     rows: torch.Tensor
     positions: torch.Tensor
+    #: Each row's first packed index.
+    starts: list[int]
     batch: int
     #: Keys every row's attention spans: the longest row's length (with its prompt) plus the
     #: widest row's new tokens, so any grid query lies at or before key ``key_length - width + t``.
@@ -97,7 +99,7 @@ class PackedRows:
         """The same on ``device``."""
         if self.rows.device == device:
             return self
-        return PackedRows(self.rows.to(device), self.positions.to(device), self.batch, self.key_length,
+        return PackedRows(self.rows.to(device), self.positions.to(device), self.starts, self.batch, self.key_length,
                           tuple(g.to(device) for g in self.grids), self.prompts)
 
 
@@ -155,7 +157,7 @@ def pack_rows(lengths: torch.Tensor, counts: list[int], prompt_counts: list[int]
             mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
         grids.append(Grid(None if not lo else torch.tensor(slots, dtype=torch.long), width, lo, tokens_t, scatter, gather, mask))
     prompts = tuple(PromptSegment(i, starts[i], prompt_counts[i], int(lengths[i]), fed[i]) for i in range(b) if prompt_counts[i])
-    return PackedRows(rows, positions, b, key_length, tuple(grids), prompts)
+    return PackedRows(rows, positions, starts[:-1], b, key_length, tuple(grids), prompts)
 
 
 def prompt_mask(segment: PromptSegment, additive: bool, dtype: torch.dtype) -> torch.Tensor | None:

@@ -64,7 +64,7 @@ class RowCache(Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's packed keys / values (``[1, kv_heads, N, head_dim]``, placed by
         ``self.packing``) at each token's row and position; return every active row's keys /
-        values up to the furthest position written."""
+        values up to ``packing.key_length``."""
         packing = self.packing
         if packing is None:
             raise RuntimeError("RowCache.update outside a packed step (set RowCache.packing first)")

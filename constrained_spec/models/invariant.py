@@ -91,7 +91,7 @@ class RowSplit:
         pieces = self.pieces(x.shape[-2]) if x.dim() >= 2 else [(0, 0, False)]
         if len(pieces) == 1 and not pieces[0][2]:
             return new(x)
-        if all(p or e - s == 0 for s, e, p in pieces) or sum(not p for _, _, p in pieces) == 1:
+        if sum(not p for _, _, p in pieces) <= 1:  # new rows in one run, if any
             return torch.cat([(prompt if p else new)(x[..., s:e, :]) for s, e, p in pieces], dim=-2)
         # New rows in several runs (a packed step): one call over all of them, then interleave.
         new_idx = torch.cat([torch.arange(s, e) for s, e, p in pieces if not p]).to(x.device)
