@@ -18,7 +18,7 @@ from ..drafters import Draft, Drafter
 from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from .kpolicy import FixedK, KPolicy
 from .prefix import PrefixCache, prefill_prefix
-from .repetition import repeated_cycle
+from .repetition import first_repetition
 from .stats import DecodeResult, DecodeStats
 from .verifier import masked_probs, verify_greedy, verify_sampled
 
@@ -259,17 +259,26 @@ class SpeculativeDecoder:
         self.output.extend(emitted)
         if not self.finished and self.matcher.is_done(self.state):
             self.finished = True  # only EOS is left: target-only decoding would emit it with p = 1
+        dropped = k - n
         if self.max_repeats:
+            start = len(self.output) - len(emitted)
             self._states.extend(draft.states[1 : n + 1])
             if len(self._states) < len(self.output):
                 self._states.append(self.state)  # after y
-            if not self.finished:
-                cycle = repeated_cycle(self.output, self._states, self.max_repeats, self.matcher)
-                if cycle is not None:
-                    copies = 1
-                    while self.output[-(copies + 1) * cycle : -copies * cycle] == self.output[-cycle:]:
-                        copies += 1
-                    self.repetition = (cycle, copies)
+            hit = first_repetition(self.output, self._states, start, self.max_repeats, self.matcher)
+            if hit is not None:
+                end, cycle = hit
+                self.finished = False  # target-only decoding stops there, before any EOS after it
+                if end < len(self.output):
+                    # The cache keeps the output minus its last token: of this step's fed
+                    # positions (last, x_1..x_k), the first end - start.
+                    dropped = k + 1 - (end - start)
+                    self._cut_output(end)
+                    emitted = emitted[: end - start]
+                copies = 1
+                while self.output[-(copies + 1) * cycle : -copies * cycle] == self.output[-cycle:]:
+                    copies += 1
+                self.repetition = (cycle, copies)
         t6 = time.perf_counter()
         # 6. Book-keeping for the K policy and the stats.
         # A batched step's time is the batch's, not this request's verify cost: only alone does it
@@ -294,7 +303,15 @@ class SpeculativeDecoder:
         st.constraint_seconds += constraint_s
         st.constraint_step_seconds.append(constraint_s)
         st.step_seconds.append(t6 - plan.t0)
-        return emitted, k - n
+        return emitted, dropped
+
+    def _cut_output(self, end: int) -> None:
+        """Keep the first ``end`` output tokens (the repetition guard fired there): uncommit the
+        rest from the matcher."""
+        self.matcher.rollback(len(self.output) - end)
+        del self.output[end:]
+        del self._states[end:]
+        self.last = self.output[-1]
 
     def step(self) -> list[int]:
         """One speculative step; returns the tokens it emitted (EOS excluded) and updates all state."""

@@ -11,6 +11,9 @@ by identity, else by their masks and finality: llguidance's states are trie node
 path, so equal ids would never repeat there). The mask comparison cannot see a counter whose
 bound is still far (``(ab){0,50}``, an array's ``maxItems``): such a bounded loop may be
 stopped before it would have ended valid, which ``max_repeats`` (higher, or 0) controls.
+
+The guard is checked after every token, never once per step, so a loop stops on the same token,
+with the same partial text, whatever the drafter, K, batch or precision (``first_repetition``).
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ def _same_state(matcher: Matcher, a: State, b: State) -> bool:
     return matcher.is_final(a) == matcher.is_final(b) and torch.equal(matcher.allowed_mask(a), matcher.allowed_mask(b))
 
 
-def repeated_cycle(tokens: Sequence[int], states: Sequence[State], repeats: int, matcher: Matcher) -> int | None:
-    """The length of a cycle the output ends in ``repeats`` (or more, see the module docstring)
-    copies of, with the same matcher state after each copy; None if there is none.
-    ``states[i]`` is the matcher state after ``tokens[i]``."""
-    n = len(tokens)
+def repeated_cycle(tokens: Sequence[int], states: Sequence[State], repeats: int, matcher: Matcher,
+                   end: int | None = None) -> int | None:
+    """The length of a cycle that ``tokens[:end]`` (all of them by default) ends in ``repeats``
+    (or more, see the module docstring) copies of, with the same matcher state after each copy;
+    None if there is none. ``states[i]`` is the matcher state after ``tokens[i]``."""
+    n = len(tokens) if end is None else end
     if repeats <= 0:
         return None
     for length in range(1, MAX_CYCLE + 1):
@@ -45,10 +49,30 @@ def repeated_cycle(tokens: Sequence[int], states: Sequence[State], repeats: int,
         span = length * copies
         if span > n:
             break
-        cycle = list(tokens[n - length :])
-        if list(tokens[n - span :]) != cycle * copies:
+        if tokens[n - 1] != tokens[n - 1 - length]:  # the cheap test first: most lengths fail here
             continue
-        end = states[n - 1]
-        if all(_same_state(matcher, states[n - 1 - j * length], end) for j in range(1, copies)):
+        if any(tokens[i] != tokens[i + length] for i in range(n - span, n - length)):
+            continue
+        last = states[n - 1]
+        if all(_same_state(matcher, states[n - 1 - j * length], last) for j in range(1, copies)):
             return length
+    return None
+
+
+def first_repetition(tokens: Sequence[int], states: Sequence[State], start: int, repeats: int,
+                     matcher: Matcher) -> tuple[int, int] | None:
+    """Where the guard fires among ``tokens[start:]``: ``(end, cycle length)`` for the first
+    ``end > start`` at which ``tokens[:end]`` ends in a loop, checked token by token, or None.
+
+    Token by token, not once per step: a step may emit several tokens, and the stop must fall on
+    the same token whatever the drafter, K or batch (target-only decoding checks after each
+    token). A state that allows only EOS ends the request instead, as it does in target-only
+    decoding, so it is not checked.
+    """
+    for end in range(start + 1, len(tokens) + 1):
+        if matcher.is_done(states[end - 1]):
+            continue
+        cycle = repeated_cycle(tokens, states, repeats, matcher, end)
+        if cycle is not None:
+            return end, cycle
     return None
