@@ -564,6 +564,7 @@ def serve_cmd(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; beyond it: 429 with Retry-After."),
     request_timeout: float = typer.Option(120.0, "--request-timeout", help="Seconds a request may take in all (504 past it)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM: seconds to finish the requests in flight."),
+    constraint_cache_mb: float = typer.Option(64.0, "--constraint-cache-mb", help="MiB of compiled constraints kept (least recently used dropped)."),
     draft: Optional[str] = DraftOpt,
     drafter: str = DrafterOpt,
     profile: Optional[str] = ProfileOpt,
@@ -582,16 +583,19 @@ def serve_cmd(
         except ImportError as e:
             raise InvalidOptionError(f"serve needs the server extra ({e.name} is missing): "
                                      "pip install 'constrained_spec[server]'") from None
+        from .constraint import set_cache_bytes
         from .decoding import SpecOptions
         from .models import resolve_model
 
-        for name, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--port", port)):
-            if value < (0 if name == "--max-queue" else 1):
+        for name, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--port", port),
+                            ("--constraint-cache-mb", constraint_cache_mb)):
+            if value < (0 if name in ("--max-queue", "--constraint-cache-mb") else 1):
                 raise InvalidOptionError(f"Invalid {name}: {value}.")
         options = SpecOptions(drafter=drafter, profile=profile)  # type: ignore[arg-type]
         handle = resolve_model(_model_arg(model, dtype, precision))
         config = ServerConfig(max_batch=max_batch, max_queue=max_queue, request_timeout=request_timeout,
-                              api_key=api_key or None)
+                              api_key=api_key or None, constraint_cache_bytes=int(constraint_cache_mb * (1 << 20)))
+        set_cache_bytes(config.constraint_cache_bytes)  # the process-wide cache behind the app's own
         err.print(f"serving {handle.name} ({handle.precision}) on http://{host}:{port}/v1"
                   f"{' (API key required)' if api_key else ''}")
         uvicorn.run(create_app(handle, draft=draft, options=options, config=config), host=host, port=port,

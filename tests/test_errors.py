@@ -114,3 +114,19 @@ def test_token_limit_keeps_partial_text(tiny):
     assert err.value.partial_text.startswith("{")
     assert err.value.max_new_tokens == 3
     assert "max_new_tokens=3" in str(err.value)
+
+
+def test_a_character_no_token_can_spell_is_refused_or_a_dead_end(smol):
+    """llguidance's mask allows a byte token for U+40000 that its matcher then refuses (SmolLM2
+    has no token for the byte 0xF1): at the start that is a pattern matching nothing; later a
+    DeadEndError with the same partial text for every drafter, never a ConstraintViolationError."""
+    from constrained_spec import DeadEndError, InvalidRegexError, generate_regex
+
+    with pytest.raises(InvalidRegexError, match="matches nothing"):
+        generate_regex(smol, "\U00040000", "x")
+    partial = set()
+    for drafter in ("none", "lookup", "auto"):
+        with pytest.raises(DeadEndError) as info:
+            generate_regex(smol, "ab\U00040000", "ab ab ab", drafter=drafter, max_new_tokens=8)
+        partial.add(info.value.partial_text)
+    assert partial == {"ab"}

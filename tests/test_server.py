@@ -376,3 +376,54 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _post_raw(server, body: bytes, chunked: bool = False, pace: float = 0.0) -> tuple[int, dict]:
+    """POST with the standard library's client, which writes the whole body before it reads the
+    reply (as most clients do): a server that answered and closed early would reset it. ``pace``:
+    seconds between 64 KiB pieces, a slow client (the reply is ready long before the body is sent)."""
+    import http.client
+
+    def pieces():
+        for i in range(0, len(body), 65536):
+            if pace:
+                time.sleep(pace)
+            yield body[i:i + 65536]
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    if not chunked:
+        headers["Content-Length"] = str(len(body))
+    try:
+        conn.request("POST", "/v1/chat/completions", body=pieces(), headers=headers, encode_chunked=chunked)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_far_over_the_limit_gets_a_413_with_the_error_body(server, chunked):
+    status, body = _post_raw(server, b"x" * (20 << 20), chunked=chunked, pace=0.001)
+    assert status == 413 and body["error"]["code"] == "body_too_large"
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_hostile_constraints_are_refused_naming_the_limit(server):
+    deep_body = ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+                 '"json_schema": {"name": "x", "schema": ' + '{"items": ' * 5000 + "{}" + "}" * 5000 + "}}}")
+    status, body = _post_raw(server, deep_body.encode())
+    assert status == 400 and "nests deeper" in body["error"]["message"]
+    schema: dict = {"type": "integer"}
+    for _ in range(80):  # fits the body's depth, not the schema's
+        schema = {"type": "array", "items": schema}
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              "max_schema_depth"),
+             ({"structured_outputs": {"regex": "a{1000000}"}}, "max_repeat"),
+             ({"structured_outputs": {"regex": "(a{1000}){1000}"}}, "max_regex_expanded"),
+             ({"structured_outputs": {"json": {"type": "string", "pattern": "^(ab){99999}$"}}}, "max_repeat")]
+    for extra, limit in cases:
+        request = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **extra}
+        status, body = _post_raw(server, json.dumps(request).encode())
+        assert status == 400 and limit in body["error"]["message"], (limit, body)
+        assert body["error"]["code"] == "invalid_constraint"

@@ -4,6 +4,8 @@
 - ``layout``: where JSON whitespace may go.
 - ``vocabulary``: the exact bytes of every token.
 - ``outlines_core`` / ``llguidance``: the two backends, one module each.
+- ``limits``: what a schema or pattern may cost, checked before anything compiles it.
+- ``cache``: an LRU bounded by bytes (compiled constraints differ in size by orders of magnitude).
 - ``compile``: ``compile_constraint``, the cached front door every caller uses.
 - ``base``: the interface: an immutable, shared ``CompiledConstraint`` and a per-request
   ``Matcher`` (``compiled.matcher()``), which is the only thing that decodes.
@@ -11,7 +13,9 @@
 """
 
 from .base import CompiledConstraint, Matcher, State
-from .compile import AUTO_BACKEND, BACKENDS, Backend, Kind, clear_cache, compile_constraint, resolve_backend
+from .compile import (AUTO_BACKEND, BACKENDS, Backend, Kind, cache_bytes, clear_cache, compile_constraint,
+                      resolve_backend, set_cache_bytes)
+from .limits import DEFAULT_LIMITS, ConstraintLimits
 from .layout import DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS
 from .llguidance import GuidanceCompiled, GuidanceMatcher
 from .masking import apply_mask, masked_probs
@@ -20,9 +24,9 @@ from .schema import JsonSchema, iter_subschemas, keyword_path, load_schema, map_
 from .vocabulary import TokenVocabulary, vocabulary_of
 
 __all__ = [
-    "AUTO_BACKEND", "BACKENDS", "Backend", "CompiledConstraint", "DEFAULT_JSON_WHITESPACE", "GuidanceCompiled",
+    "AUTO_BACKEND", "BACKENDS", "Backend", "CompiledConstraint", "ConstraintLimits", "DEFAULT_LIMITS", "DEFAULT_JSON_WHITESPACE", "GuidanceCompiled",
     "GuidanceMatcher", "JSON_LAYOUTS", "JsonSchema", "Kind", "Matcher", "OutlinesCompiled", "OutlinesMatcher",
-    "State", "TokenVocabulary", "apply_mask", "clear_cache", "compile_constraint", "iter_subschemas",
-    "keyword_path", "load_schema", "map_subschemas", "masked_probs", "resolve_backend", "schema_to_regex",
+    "State", "TokenVocabulary", "apply_mask", "cache_bytes", "clear_cache", "compile_constraint", "iter_subschemas",
+    "keyword_path", "load_schema", "map_subschemas", "masked_probs", "resolve_backend", "schema_to_regex", "set_cache_bytes",
     "vocabulary_of",
 ]

@@ -55,6 +55,12 @@ class CompiledConstraint(ABC):
         """The tokenizer's EOS id: allowed only where the text is a complete member of the language."""
         return self.vocab.eos_token_id
 
+    @property
+    def nbytes(self) -> int:
+        """About how many bytes this compiled constraint holds (what caches bound by): its
+        pattern here; a backend adds its own tables."""
+        return len(self.pattern) + 1024
+
     @abstractmethod
     def matcher(self) -> "Matcher":
         """A fresh matcher at the start of the language; it shares no mutable state with others."""

@@ -1,6 +1,9 @@
 """``compile_constraint``: the one front door from a schema or pattern to a cached ``CompiledConstraint``.
 
-One LRU-bounded cache and one lock for every backend, keyed by (backend, vocabulary fingerprint, kind, the
+Every schema and pattern is first measured against ``ConstraintLimits`` (``constraint.limits``:
+depth, size, repetition counts), so what would cost seconds and gigabytes is refused before any
+backend sees it. One cache bounded by bytes (``set_cache_bytes``, default 256 MiB, or
+``$CONSTRAINED_SPEC_CONSTRAINT_CACHE_MB``) for every backend, keyed by (backend, vocabulary fingerprint, kind, the
 normalized schema or pattern, layout, lenient). A compile that must finish within ``timeout_s``:
 llguidance bounds its own work (grammar size, lexer states, lexer fuel: ``PARSER_LIMITS`` and
 its defaults; the pathological schemas and patterns we tried compile in milliseconds once the
@@ -13,13 +16,15 @@ a spawned worker process that is killed on time-out, and nothing is left running
 from __future__ import annotations
 
 import json
+import os
 import threading
-from collections import OrderedDict
 from typing import Any, Literal
 
 from ..errors import InvalidOptionError, InvalidRegexError
 from .base import CompiledConstraint
-from .layout import DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS
+from .cache import ByteBoundedLRU
+from .layout import DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, whitespace_regex
+from .limits import DEFAULT_LIMITS, ConstraintLimits, check_regex_limits, check_schema_limits
 from .llguidance import compile_json_guidance, compile_regex_guidance
 from .outlines_core import compile_outlines, schema_to_regex
 from .schema import JsonSchema, load_schema
@@ -34,10 +39,37 @@ BACKENDS: tuple[str, ...] = ("auto", "outlines-core", "llguidance")
 #: See the README's "Constraint backends".
 AUTO_BACKEND = "llguidance"
 
-#: Compiled constraints kept, least recently used dropped first (a server sees many schemas).
-CACHE_ENTRIES = 256
-_CACHE: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
-_LOCK = threading.Lock()
+#: Bytes of compiled constraints kept, least recently used dropped first (a server sees many schemas).
+CACHE_BYTES_ENV = "CONSTRAINED_SPEC_CONSTRAINT_CACHE_MB"
+DEFAULT_CACHE_BYTES = 256 << 20
+
+
+def _cache_bytes_from_env() -> int:
+    raw = os.environ.get(CACHE_BYTES_ENV)
+    if raw is None:
+        return DEFAULT_CACHE_BYTES
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidOptionError(f"Invalid ${CACHE_BYTES_ENV}: expected a number of MiB, got {raw!r}.") from None
+    if value < 0:
+        raise InvalidOptionError(f"Invalid ${CACHE_BYTES_ENV}: expected a number of MiB >= 0, got {raw!r}.")
+    return int(value * (1 << 20))
+
+
+_CACHE: ByteBoundedLRU[CompiledConstraint] = ByteBoundedLRU(_cache_bytes_from_env(), lambda c: c.nbytes)
+
+
+def set_cache_bytes(max_bytes: int) -> None:
+    """Bound the compiled-constraint cache to ``max_bytes`` (0 keeps only the latest entry)."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise InvalidOptionError(f"Invalid cache size: expected an integer number of bytes >= 0, got {max_bytes!r}.")
+    _CACHE.resize(max_bytes)
+
+
+def cache_bytes() -> tuple[int, int]:
+    """(bytes held now, the bound) of the compiled-constraint cache."""
+    return _CACHE.nbytes, _CACHE.max_bytes
 
 
 def resolve_backend(backend: str) -> str:
@@ -56,6 +88,7 @@ def compile_constraint(
     lenient: bool = False,
     whitespace: str = DEFAULT_JSON_WHITESPACE,
     timeout_s: float | None = None,
+    limits: ConstraintLimits | None = None,
 ) -> CompiledConstraint:
     """Compile a JSON schema (dict, JSON text, path, pydantic class, or a loaded ``JsonSchema``) or
     a regex over a tokenizer (a Hugging Face tokenizer or a ``TokenVocabulary``).
@@ -70,31 +103,39 @@ def compile_constraint(
             and name them in ``compiled.warnings``.
         whitespace: the JSON layout, see ``constrained_spec.constraint.layout``.
         timeout_s: raise ``TimeoutError`` if compiling takes longer.
+        limits: what the schema or pattern may cost (``ConstraintLimits``; the defaults refuse no
+            real-world schema we have), checked before compiling.
 
     Raises:
         InvalidSchemaError, UnsupportedSchemaFeatureError (naming the keyword and its path),
-        InvalidRegexError, InvalidOptionError, TimeoutError.
+        InvalidRegexError (a limit named among them), InvalidOptionError, TimeoutError.
     """
     backend = resolve_backend(backend)
     if kind not in ("json", "regex"):
         raise InvalidOptionError(f"Invalid kind: expected 'json' or 'regex', got {kind!r}.")
     if not isinstance(whitespace, str):
         raise InvalidOptionError(f"Invalid whitespace: expected one of {sorted(JSON_LAYOUTS)} or a regex, got {whitespace!r}.")
+    limits = limits or DEFAULT_LIMITS
+    if not isinstance(limits, ConstraintLimits):
+        raise InvalidOptionError(f"Invalid limits: expected a ConstraintLimits, got {type(limits).__name__}.")
     if kind == "regex":
         if not isinstance(spec, str) or not spec:
             raise InvalidRegexError(f"Invalid regex: expected a non-empty string, got {spec!r}.")
+        check_regex_limits(spec, limits)
         source: Any = spec
         key_text = spec
     else:
-        source = load_schema(spec)
+        ws = whitespace_regex(whitespace)
+        if ws:
+            check_regex_limits(ws, limits)
+        source = load_schema(spec, limits=limits)
         key_text = json.dumps(source.schema, sort_keys=True)
+        check_schema_limits(source.schema, limits, text_bytes=len(key_text))  # also a JsonSchema loaded elsewhere
     vocab = vocabulary_of(tokenizer)
     key = (backend, vocab.fingerprint, kind, key_text, whitespace if kind == "json" else "", lenient)
-    with _LOCK:
-        hit = _CACHE.get(key)
-        if hit is not None:
-            _CACHE.move_to_end(key)
-            return hit
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
     options = dict(kind=kind, backend=backend, lenient=lenient, whitespace=whitespace)
     if timeout_s is not None and backend == "llguidance":
         compiled = _compile_bounded(source, tokenizer, vocab, timeout_s, options)
@@ -102,12 +143,7 @@ def compile_constraint(
         if timeout_s is not None:
             _check_in_time(source, tokenizer, timeout_s=timeout_s, **options)
         compiled = _compile(source, tokenizer, vocab, **options)
-    with _LOCK:
-        compiled = _CACHE.setdefault(key, compiled)
-        _CACHE.move_to_end(key)
-        while len(_CACHE) > CACHE_ENTRIES:
-            _CACHE.popitem(last=False)
-        return compiled
+    return _CACHE.put(key, compiled)
 
 
 def _compile(source: Any, tokenizer: Any, vocab: Any, *, kind: str, backend: str, lenient: bool,
@@ -124,8 +160,7 @@ def _compile(source: Any, tokenizer: Any, vocab: Any, *, kind: str, backend: str
 
 def clear_cache() -> None:
     """Forget every compiled constraint (the outlines-core disk cache stays)."""
-    with _LOCK:
-        _CACHE.clear()
+    _CACHE.clear()
 
 
 def _compile_bounded(source: Any, tokenizer: Any, vocab: Any, timeout_s: float,

@@ -98,6 +98,12 @@ class GuidanceCompiled(CompiledConstraint):
         self.grammar = grammar
         self.lltokenizer = lltok
 
+    @property
+    def nbytes(self) -> int:
+        """The grammar text and the key: llguidance keeps nothing else per constraint (each
+        matcher builds its own lexer and drops it with the request; the tokenizer is shared)."""
+        return len(self.grammar) + super().nbytes
+
     def matcher(self) -> "GuidanceMatcher":
         """A fresh ``LLMatcher`` and token trie for one request."""
         return GuidanceMatcher(self)
@@ -277,11 +283,25 @@ def _compile_grammar(grammar: str, lltok: Any, vocab: TokenVocabulary, kind: str
         raise InvalidSchemaError(f"Invalid schema: llguidance says {msg}")
     compiled = GuidanceCompiled(grammar, lltok, vocab, kind, pattern, messages)
     probe = compiled.matcher()
-    if not probe.is_final(probe.initial_state) and not bool(probe.allowed_mask(probe.initial_state).any()):
+    if not probe.is_final(probe.initial_state) and not _can_start(probe):
         what = f"regex {pattern[:200]!r}" if kind == "regex" else "schema"
         error = InvalidRegexError if kind == "regex" else InvalidSchemaError
         raise error(f"Invalid {what}: it matches nothing (no token can start a valid output).")
     return compiled
+
+
+#: At most this many allowed tokens are tried one by one when checking that an output can start.
+_PROBED_TOKENS = 256
+
+
+def _can_start(probe: GuidanceMatcher) -> bool:
+    """Whether some token can start an output. llguidance's mask may allow a token that its
+    matcher then refuses to consume (a character whose UTF-8 bytes no token sequence of the
+    vocabulary spells, e.g. U+40000 on SmolLM2), so a small mask is tried token by token."""
+    allowed = probe.allowed_mask(probe.initial_state).nonzero().flatten().tolist()
+    if len(allowed) > _PROBED_TOKENS:
+        return True
+    return any(probe.next_state(probe.initial_state, t) is not None for t in allowed)
 
 
 def compile_regex_guidance(pattern: str, tokenizer: Any, vocab: TokenVocabulary) -> GuidanceCompiled:

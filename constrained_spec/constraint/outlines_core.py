@@ -29,6 +29,13 @@ from .schema import iter_subschemas
 from .vocabulary import TokenVocabulary
 
 BACKEND = "outlines-core"
+#: Masks kept per compiled constraint, shared by its requests (oldest dropped first): one is
+#: vocab-size bytes (48 KiB on SmolLM2), so 1,024 of them is 48 MiB; a long-running server
+#: would otherwise grow them without bound on a large schema.
+MAX_SHARED_MASKS = 1024
+#: Bytes per index transition in the estimate of an index's size (a token id and a state in a
+#: Rust hash map, with its overhead).
+TRANSITION_BYTES = 24
 
 # Validation keywords outlines-core ignores (its regex would accept instances that break
 # them). Refusing them up front is the honest choice; the output is also re-validated.
@@ -147,6 +154,12 @@ class OutlinesCompiled(CompiledConstraint):
         self.final_states = frozenset(index.get_final_states())
         self.masks: dict[int, torch.Tensor] = {}
         self.done: dict[int, bool] = {}
+        self._index_bytes = TRANSITION_BYTES * sum(len(t) for t in index.get_transitions().values())
+
+    @property
+    def nbytes(self) -> int:
+        """The index's transitions and the masks cached so far."""
+        return self._index_bytes + len(self.masks) * self.vocab.size + super().nbytes
 
     def matcher(self) -> "OutlinesMatcher":
         """A fresh matcher (a history of states) over this index."""
@@ -184,7 +197,10 @@ class OutlinesMatcher(Matcher):
             allowed = self._index.get_allowed_tokens(state)
             if allowed:
                 mask[torch.tensor(allowed, dtype=torch.long)] = True
-            self.compiled.masks[state] = mask
+            masks = self.compiled.masks
+            if len(masks) >= MAX_SHARED_MASKS:
+                masks.pop(next(iter(masks)), None)  # another request's thread may have dropped it
+            masks[state] = mask
         return mask
 
     def is_final(self, state: State) -> bool:

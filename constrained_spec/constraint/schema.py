@@ -28,13 +28,18 @@ class JsonSchema(NamedTuple):
     model_cls: type | None = None
 
 
-def load_schema(spec: Any) -> JsonSchema:
+def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
     """Normalize a schema given as a dict, JSON text, file path or pydantic class (or an
     already loaded ``JsonSchema``, returned as is).
 
-    Raises ``InvalidSchemaError`` when the input is not a valid JSON schema. For draft-03..07
-    schemas, keywords beside a ``$ref`` are dropped, as those drafts say.
+    Raises ``InvalidSchemaError`` when the input is not a valid JSON schema, or is over
+    ``limits`` (a ``ConstraintLimits``; default: ``constraint.limits.DEFAULT_LIMITS``), checked
+    before anything recurses into it. For draft-03..07 schemas, keywords beside a ``$ref`` are
+    dropped, as those drafts say.
     """
+    from .limits import DEFAULT_LIMITS, check_schema_bytes, check_schema_limits
+
+    limits = limits or DEFAULT_LIMITS
     if isinstance(spec, JsonSchema):
         return spec
     model_cls = None
@@ -54,17 +59,19 @@ def load_schema(spec: Any) -> JsonSchema:
         path = Path(schema)
         if not path.is_file():
             raise InvalidSchemaError(f"Invalid schema: expected JSON text or an existing file, got {str(schema)!r} (no such file).")
-        try:
-            schema = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise InvalidSchemaError(f"Invalid schema: {path} is not JSON ({e}).") from None
+        if path.stat().st_size > limits.max_schema_bytes:
+            raise InvalidSchemaError(f"Invalid schema: {path} has {path.stat().st_size} bytes, over the limit of "
+                                     f"{limits.max_schema_bytes} bytes (max_schema_bytes).")
+        schema = _parse(path.read_text(), f"{path} is not JSON", limits)
     elif isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise InvalidSchemaError(f"Invalid schema: the JSON text does not parse ({e}).") from None
+        schema = _parse(schema, "the JSON text does not parse", limits)
     if isinstance(schema, bool) or not isinstance(schema, dict):
         raise InvalidSchemaError(f"Invalid schema: expected a JSON object, got {type(schema).__name__}.")
+    check_schema_limits(schema, limits)  # before anything below recurses into it
+    try:
+        check_schema_bytes(len(json.dumps(schema)), limits)
+    except (TypeError, ValueError) as e:
+        raise InvalidSchemaError(f"Invalid schema: it is not JSON data ({e}).") from None
     import jsonschema
 
     try:
@@ -75,6 +82,21 @@ def load_schema(spec: Any) -> JsonSchema:
     if _REF_OVERRIDES_SIBLINGS.search(str(schema.get("$schema", ""))):
         schema = _without_ref_siblings(schema)
     return JsonSchema(schema, model_cls)
+
+
+def _parse(text: str, what: str, limits: Any) -> Any:
+    """JSON text -> value; a text over the size limit, or nested past the parser's recursion,
+    is an ``InvalidSchemaError`` naming the limit, not a ``RecursionError``."""
+    from .limits import check_schema_bytes
+
+    check_schema_bytes(len(text.encode("utf-8", errors="surrogatepass")), limits)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidSchemaError(f"Invalid schema: {what} ({e}).") from None
+    except RecursionError:
+        raise InvalidSchemaError(f"Invalid schema: it nests deeper than the limit of {limits.max_schema_depth} "
+                                 "levels (max_schema_depth).") from None
 
 
 #: Drafts in which ``$ref`` replaces its object: "all other properties in a $ref object MUST be

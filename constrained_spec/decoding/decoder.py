@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
-from ..errors import DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
+from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from .kpolicy import FixedK, KPolicy
 from .prefix import PrefixCache, prefill_prefix
 from .repetition import first_repetition
@@ -216,8 +216,7 @@ class SpeculativeDecoder:
         # one-hot masked law whatever the logits say, so its row is not computed (zeros, masked).
         masks = [self.matcher.allowed_mask(s) for s in draft.states]
         if not bool(masks[0].any()):
-            text = b"".join(self.matcher.vocab.token_bytes.get(t, b"") for t in self.output)
-            raise DeadEndError(text.decode("utf-8", errors="replace"), len(self.output))
+            raise self._dead_end()
         pending, self._pending = self._pending, []
         first = len(pending)
         rows = [first + i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
@@ -255,7 +254,15 @@ class SpeculativeDecoder:
         else:
             emitted = emitted + [y]
             self.last = y
-        self.matcher.advance(emitted)
+        try:
+            self.matcher.advance(emitted)
+        except ConstraintViolationError:
+            # The mask allowed y but the matcher cannot consume it (llguidance, for a character
+            # no token sequence of this vocabulary can spell): target-only decoding stops at the
+            # same token, after the accepted drafts, which the matcher did consume along the walk.
+            self.matcher.advance(emitted[:n])
+            self.output.extend(emitted[:n])
+            raise self._dead_end() from None
         self.output.extend(emitted)
         if not self.finished and self.matcher.is_done(self.state):
             self.finished = True  # only EOS is left: target-only decoding would emit it with p = 1
@@ -304,6 +311,11 @@ class SpeculativeDecoder:
         st.constraint_step_seconds.append(constraint_s)
         st.step_seconds.append(t6 - plan.t0)
         return emitted, dropped
+
+    def _dead_end(self) -> DeadEndError:
+        """The error of a state with no token to go on with, carrying the output so far."""
+        text = b"".join(self.matcher.vocab.token_bytes.get(t, b"") for t in self.output)
+        return DeadEndError(text.decode("utf-8", errors="replace"), len(self.output))
 
     def _cut_output(self, end: int) -> None:
         """Keep the first ``end`` output tokens (the repetition guard fired there): uncommit the

@@ -18,32 +18,34 @@ import json
 import re
 import time
 import uuid
-from collections import OrderedDict
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..api import chat_prefix_length, encode_chat, encode_text, prepare_request, resolve_draft, validate_json_output
-from ..constraint import CompiledConstraint, JsonSchema, compile_constraint, load_schema
+from ..constraint import CompiledConstraint, ConstraintLimits, JsonSchema, compile_constraint, load_schema
+from ..constraint.cache import ByteBoundedLRU
 from ..decoding import BatchEngine, DecodeStats, SpecOptions
-from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidPromptError, OutputValidationError
+from ..errors import ConstrainedSpecError, DeadEndError, InvalidOptionError, InvalidPromptError, OutputValidationError
 from ..models import ModelHandle, resolve_model
 from .metrics import ServerMetrics
 from .protocol import FREE_TEXT, MAX_BODY_BYTES, ApiError, ConstraintSpec, Parsed, parse_body
 from .worker import EngineWorker, Job, QueueFull
 
-#: Compiled constraints the app keeps (with their loaded schemas and checks), least recent dropped.
-COMPILED_ENTRIES = 256
+#: A body over the limit is still read (and dropped) up to this many bytes, so the client, which
+#: sends its whole body before it reads the reply, gets the 413 instead of a reset connection.
+MAX_DRAINED_BYTES = 64 << 20
 
 
 @dataclass
 class ServerConfig:
     """How the server runs. ``max_queue``: requests that may wait for a slot beyond the
     ``max_batch`` decoding; more are answered 429. ``request_timeout``: seconds a request may
-    take in all. ``compile_timeout``: seconds a constraint may take to compile."""
+    take in all. ``compile_timeout``: seconds a constraint may take to compile (after the
+    ``limits`` have refused what would be expensive)."""
 
     max_batch: int = 16
     max_queue: int = 64
@@ -51,6 +53,10 @@ class ServerConfig:
     compile_timeout: float = 10.0
     max_tokens_default: int = 512
     api_key: str | None = None
+    #: Bytes of compiled constraints kept (least recently used dropped first).
+    constraint_cache_bytes: int = 64 << 20
+    #: What a request's schema or pattern may cost (``constraint.limits``), checked before compiling.
+    limits: ConstraintLimits = field(default_factory=ConstraintLimits)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,12 @@ class _Compiled:
     compiled: CompiledConstraint
     schema: JsonSchema | None
     checker: re.Pattern[str] | None
+    #: The schema's JSON text size, counted twice (its dict and the validator built from it).
+    schema_bytes: int = 0
+
+    def nbytes(self) -> int:
+        """About what this entry holds (read on every insertion into the cache: no walk here)."""
+        return self.compiled.nbytes + self.schema_bytes
 
 
 def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | None = None,
@@ -85,7 +97,7 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
     app = FastAPI(title="constrained-spec", lifespan=lifespan)
     metrics = ServerMetrics(queue_depth=lambda: state["worker"].waiting if "worker" in state else 0,
                             decoding=lambda: len(state["worker"].engine.active) if "worker" in state else 0)
-    compiled_cache: OrderedDict[str, _Compiled] = OrderedDict()
+    compiled_cache: ByteBoundedLRU[_Compiled] = ByteBoundedLRU(cfg.constraint_cache_bytes, _Compiled.nbytes)
     model_ids = {handle.name, "default"}
 
     @app.exception_handler(ApiError)
@@ -116,19 +128,16 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
         key = spec.cache_key
         hit = compiled_cache.get(key)
         if hit is not None:
-            compiled_cache.move_to_end(key)
             return hit
         try:
-            entry = await asyncio.wait_for(asyncio.to_thread(_compile, spec, handle, base), cfg.compile_timeout)
+            entry = await asyncio.wait_for(asyncio.to_thread(_compile, spec, handle, base, cfg.limits),
+                                           cfg.compile_timeout)
         except asyncio.TimeoutError:
             raise ApiError(400, f"The constraint did not compile within {cfg.compile_timeout:g} s.", param=spec.param,
                            code="compile_timeout") from None
         except ConstrainedSpecError as e:
             raise ApiError(400, str(e), param=spec.param, code="invalid_constraint") from None
-        compiled_cache[key] = entry
-        while len(compiled_cache) > COMPILED_ENTRIES:
-            compiled_cache.popitem(last=False)
-        return entry
+        return compiled_cache.put(key, entry)
 
     async def start(request: Request, parsed: Parsed) -> tuple[Job, _Compiled, int]:
         if parsed.model is not None and parsed.model not in model_ids:
@@ -171,11 +180,7 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
 
     async def generate(request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused before it is read
-            raise ApiError(413, f"Request body of {declared} bytes is over the limit of {MAX_BODY_BYTES} bytes.",
-                           code="body_too_large")
-        parsed = parse_body(await request.body(), kind)  # type: ignore[arg-type]
+        parsed = parse_body(await _read_body(request), kind)  # type: ignore[arg-type]
         job, entry, prompt_tokens = await start(request, parsed)
         run = _Run(job, entry, parsed, handle, prompt_tokens, kind, t0)
         endpoint = request.url.path
@@ -222,6 +227,31 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
     return app
 
 
+async def _read_body(request: Request) -> bytes:
+    """The request's body, or a 413 when it is over ``MAX_BODY_BYTES`` (declared or sent). The
+    excess is read and dropped up to ``MAX_DRAINED_BYTES`` rather than left unread: a client
+    writes its whole body before it reads the reply, and a server that closed on it would reset
+    the connection under it, so it would never see the 413."""
+    declared = request.headers.get("content-length", "")
+    over = declared.isdigit() and int(declared) > MAX_BODY_BYTES
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if over or size > MAX_BODY_BYTES:
+            over = True
+            chunks.clear()
+            if size > MAX_DRAINED_BYTES:
+                break  # past what is worth reading: the connection closes after the reply
+            continue
+        chunks.append(chunk)
+    if over:
+        sent = int(declared) if declared.isdigit() else size
+        raise ApiError(413, f"Request body of {sent} bytes is over the limit of {MAX_BODY_BYTES} bytes.",
+                       code="body_too_large", headers={"Connection": "close"})
+    return b"".join(chunks)
+
+
 class _ApiKeyGuard:
     """Every route but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise). A plain
     ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide a client's disconnect from the
@@ -242,19 +272,20 @@ class _ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
-def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions) -> _Compiled:
-    """Compile a request's constraint (the backend refuses one that matches nothing) and the
-    final check of its output."""
-    schema = load_schema(spec.source) if spec.kind == "json" else None
+def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions, limits: ConstraintLimits) -> _Compiled:
+    """Compile a request's constraint (the backend refuses one that matches nothing, the limits
+    one that would cost too much) and the final check of its output."""
+    schema = load_schema(spec.source, limits=limits) if spec.kind == "json" else None
     compiled = compile_constraint(schema if schema is not None else spec.source, handle.tokenizer, kind=spec.kind,
-                                  backend=base.backend, lenient=spec.lenient, whitespace=base.whitespace)
+                                  backend=base.backend, lenient=spec.lenient, whitespace=base.whitespace,
+                                  limits=limits)
     checker = None
     if spec.kind == "regex" and spec is not FREE_TEXT:
         try:
             checker = re.compile(spec.source)
         except re.error:  # a pattern in the backend's syntax only: the matcher alone enforces it
             checker = None
-    return _Compiled(compiled, schema, checker)
+    return _Compiled(compiled, schema, checker, 2 * len(json.dumps(schema.schema)) if schema is not None else 0)
 
 
 class _Run:
@@ -318,9 +349,17 @@ class _Run:
                 continue
             self.ended = True
             if kind == "error":
-                raise ApiError(500, f"Generation failed: {payload}", type="server_error", code="generation_failed")
+                raise self._generation_error(payload)
             self._finish(payload)
             return
+
+    def _generation_error(self, error: BaseException) -> ApiError:
+        """A grammar's dead end is the request's constraint (no token of this vocabulary can go
+        on), so a 400 naming it; anything else failed on our side."""
+        if isinstance(error, DeadEndError):
+            return ApiError(400, f"The constraint cannot be completed: {error}", param=self.parsed.constraint.param,
+                            code="constraint_dead_end")
+        return ApiError(500, f"Generation failed: {error}", type="server_error", code="generation_failed")
 
     def _finish(self, req: Any) -> None:
         if req is None:  # cancelled before it reached the engine
@@ -329,7 +368,7 @@ class _Run:
         self.stats = dec.stats
         tok = self.handle.tokenizer
         if req.error is not None:
-            raise ApiError(500, f"Generation failed: {req.error}", type="server_error", code="generation_failed")
+            raise self._generation_error(req.error)
         full = tok.decode(dec.output, skip_special_tokens=False)
         self.tail = full[len(self.text):]
         self.text = full

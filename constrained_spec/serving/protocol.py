@@ -16,9 +16,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..constraint.limits import json_depth_and_values
+
 #: Largest request body (bytes) and largest schema or pattern (bytes of its JSON text).
 MAX_BODY_BYTES = 1 << 20
 MAX_CONSTRAINT_BYTES = 64 << 10
+#: How deeply a request body's JSON may nest: a schema's own limit (``ConstraintLimits``, 64)
+#: plus the request's levels around it, so the schema's check names the schema's limit.
+MAX_BODY_DEPTH = 96
 
 
 class ApiError(Exception):
@@ -166,6 +171,11 @@ def parse_body(raw: bytes, kind: Literal["chat", "completion"]) -> Parsed:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"Request body is not JSON: {e}.", code="invalid_json") from None
+    except RecursionError:  # the parser's own recursion limit, well past MAX_BODY_DEPTH
+        raise ApiError(400, f"Request body nests deeper than the limit of {MAX_BODY_DEPTH} levels.",
+                       code="too_deep") from None
+    if json_depth_and_values(data, stop_depth=MAX_BODY_DEPTH)[0] > MAX_BODY_DEPTH:
+        raise ApiError(400, f"Request body nests deeper than the limit of {MAX_BODY_DEPTH} levels.", code="too_deep")
     if not isinstance(data, dict):
         raise ApiError(400, "Request body must be a JSON object.", code="invalid_json")
     model = ChatRequest if kind == "chat" else CompletionRequest
