@@ -10,7 +10,8 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -550,6 +551,76 @@ def bench_cmd(
             err.print(f"plot written to {plot_trace(report, plot)}")
 
     _run_guarded(go)
+
+
+@app.command("fuzz")
+def fuzz_cmd(
+    server: Optional[str] = typer.Option(None, "--server", help="A running server's URL (default: start one here)."),
+    examples: int = typer.Option(1000, "--examples", help="Random requests to send."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Make the requests reproducible."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CONSTRAINED_SPEC_API_KEY"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Random requests against the server (hypothesis; needs the 'fuzz' extra): every answer must
+    be a 2xx with a valid body or a 4xx with an error body, never a 5xx; exits 1 on a problem."""
+    def go() -> None:
+        from .pipelines.hostile import run_fuzz
+        from .pipelines.serve_bench import local_server
+
+        if examples < 1:
+            raise InvalidOptionError(f"Invalid --examples: expected at least 1, got {examples}.")
+        try:
+            import hypothesis  # noqa: F401
+        except ImportError:
+            raise InvalidOptionError("fuzz needs hypothesis: pip install 'constrained_spec[fuzz]'") from None
+        with (local_server(4, 16) if server is None else _given_url(server)) as url:
+            report = run_fuzz(url, examples=examples, seed=seed, api_key=api_key, progress=err.print)
+        _report(report, json_out)
+        if report["problems"] or not report["healthy_after"]:
+            raise typer.Exit(1)
+
+    _run_guarded(go)
+
+
+@app.command("soak")
+def soak_cmd(
+    minutes: float = typer.Option(10.0, "--minutes", help="How long to send traffic."),
+    clients: int = typer.Option(16, "--clients", help="Concurrent clients."),
+    server: Optional[str] = typer.Option(None, "--server", help="A running server's URL (default: start one here)."),
+    pid: Optional[int] = typer.Option(None, "--pid", help="With --server: its process id, to read its memory."),
+    hostile_share: float = typer.Option(0.5, "--hostile-share", help="Share of hostile requests (0..1)."),
+    max_requests: int = typer.Option(100_000, "--max-requests", help="Stop after this many requests."),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Mixed valid and hostile traffic for minutes (pipelines.soak): reports 5xx (must be 0),
+    valid answers, and the server's memory after warm-up and at the end; exits 1 on a problem."""
+    def go() -> None:
+        from .pipelines.soak import run_soak
+
+        if minutes <= 0 or clients < 1 or not 0 <= hostile_share <= 1 or max_requests < 1:
+            raise InvalidOptionError("Invalid soak options: --minutes > 0, --clients >= 1, --hostile-share in 0..1, "
+                                     "--max-requests >= 1.")
+        report = run_soak(minutes=minutes, clients=clients, url=server, pid=pid, hostile_share=hostile_share,
+                          max_requests=max_requests, seed=seed, progress=err.print)
+        _report(report, json_out)
+        if report["problems"] or not report["healthy_after"]:
+            raise typer.Exit(1)
+
+    _run_guarded(go)
+
+
+@contextmanager
+def _given_url(url: str) -> Iterator[str]:
+    yield url.rstrip("/")
+
+
+def _report(report: dict, json_out: Optional[Path]) -> None:
+    """Print a report as JSON (and write it to ``json_out``)."""
+    text = json.dumps(report, indent=2)
+    if json_out is not None:
+        json_out.write_text(text + "\n")
+    typer.echo(text)
 
 
 @app.command("serve")

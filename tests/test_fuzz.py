@@ -56,3 +56,14 @@ def test_the_server_is_healthy_after_the_fuzzing(url):
     assert healthy(url)
     answer = send(url, VALID[0])
     assert answer.status == 200 and check_answer(VALID[0], answer) is None
+
+
+def test_a_short_soak_reports_no_problem(url):
+    """The soak's own machinery on a few seconds of traffic (the 10-minute run is a command)."""
+    from constrained_spec.pipelines.soak import run_soak
+
+    report = run_soak(minutes=0.2, clients=3, url=url, pid=os.getpid(), warmup_minutes=0.05, seed=1)
+    assert report["problems"] == 0 and report["healthy_after"], report["first_problems"]
+    assert report["requests"]["valid"] > 0 and report["requests"]["hostile"] > 0
+    assert report["valid_answers_valid"] == f"{report['requests']['valid']}/{report['requests']['valid']}"
+    assert report["rss_end_mib"] is not None and report["statuses"].get("5xx", 0) == 0

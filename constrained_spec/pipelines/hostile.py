@@ -21,7 +21,7 @@ import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 #: A schema and a prompt the embedded model answers in a few dozen tokens.
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -333,3 +333,30 @@ def request_strategy() -> Any:
     return st.one_of(st.builds(assemble, messages, constraint, options, unknown_fields,
                                st.booleans()),
                      st.binary(max_size=64))
+
+
+def run_fuzz(url: str, *, examples: int = 1000, seed: int | None = None, api_key: str | None = None,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Send ``examples`` random requests (``request_strategy``) to the server at ``url`` and
+    check every answer; returns the count, the problems found and whether the server is
+    healthy afterwards. Needs ``hypothesis`` (the ``fuzz`` extra)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as fixed_seed
+
+    problems: list[tuple[Any, str]] = []
+    sent = [0]
+
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(request_strategy())
+    def probe(request: Any) -> None:
+        sent[0] += 1
+        problem = check_answer(request, send(url, request, api_key=api_key))
+        if problem is not None:
+            problems.append((request, problem))
+        if progress and sent[0] % 100 == 0:
+            progress(f"{sent[0]} requests, {len(problems)} problems")
+
+    (fixed_seed(seed)(probe) if seed is not None else probe)()
+    return {"examples": sent[0], "problems": len(problems),
+            "first_problems": [{"request": repr(r)[:500], "problem": p} for r, p in problems[:10]],
+            "healthy_after": healthy(url)}

@@ -53,8 +53,9 @@ def _free_port() -> int:
 
 
 @contextmanager
-def local_server(max_batch: int, max_queue: int, extra: list[str] | None = None) -> Iterator[str]:
-    """``constrained-spec serve`` in a child process on a free port; yields its URL."""
+def server_process(max_batch: int, max_queue: int, extra: list[str] | None = None
+                   ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``constrained-spec serve`` in a child process on a free port; yields its URL and process."""
     port = _free_port()
     cmd = [sys.executable, "-m", "constrained_spec.cli", "serve", "--port", str(port), "--max-batch", str(max_batch),
            "--max-queue", str(max_queue), *(extra or [])]
@@ -73,13 +74,20 @@ def local_server(max_batch: int, max_queue: int, extra: list[str] | None = None)
                 if time.time() > deadline:
                     raise RuntimeError("the server did not start within 180 s") from None
                 time.sleep(0.3)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextmanager
+def local_server(max_batch: int, max_queue: int, extra: list[str] | None = None) -> Iterator[str]:
+    """``constrained-spec serve`` in a child process on a free port; yields its URL."""
+    with server_process(max_batch, max_queue, extra) as (url, _):
+        yield url
 
 
 def _request(url: str, body: dict[str, Any], api_key: str | None) -> _Outcome:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -58,6 +59,7 @@ class EngineWorker:
         self._jobs: dict[int, Job] = {}
         self._thread = threading.Thread(target=self._run, name="constrained-spec-engine", daemon=True)
         self._stopping = False
+        self._trim = MemoryTrim()
         self._thread.start()
 
     @property
@@ -115,6 +117,7 @@ class EngineWorker:
                 try:
                     for req in self.engine.step():
                         self._end(self._jobs.pop(req.id), ("done", req))
+                        self._trim.maybe()
                 except Exception as e:  # a bug in a step: fail every job held rather than hang them
                     for j in list(self._jobs.values()):
                         self._end(j, ("error", e))
@@ -142,3 +145,37 @@ class EngineWorker:
         with self._lock:
             self._held -= 1
         job.post(*event)
+
+
+class MemoryTrim:
+    """Hands freed heap memory back to the system now and then (glibc's ``malloc_trim``).
+
+    Each step allocates attention grids, masks and logits of a new shape; glibc keeps the freed
+    blocks, fragmented, so the resident size crept up with the traffic (measured: a 10-minute
+    soak at 16 clients went from 1,364 MiB after the first minute to 1,819 MiB, while the same
+    requests one by one stayed flat). A trim after a request ends, at most every
+    ``interval_s``, costs a few milliseconds. A no-op where the C library has no ``malloc_trim``.
+    """
+
+    def __init__(self, interval_s: float = 2.0) -> None:
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._trim = _malloc_trim()
+
+    def maybe(self) -> None:
+        """Trim if the last trim is older than ``interval_s``."""
+        now = time.monotonic()
+        if self._trim is not None and now - self._last >= self.interval_s:
+            self._last = now
+            self._trim(0)
+
+
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
