@@ -657,6 +657,9 @@ def serve_cmd(
         from .constraint import set_cache_bytes
         from .decoding import SpecOptions
         from .models import resolve_model
+        from .serving.worker import limit_malloc_arenas
+
+        limit_malloc_arenas()  # before any thread: see serving.worker
 
         for name, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--port", port),
                             ("--constraint-cache-mb", constraint_cache_mb)):

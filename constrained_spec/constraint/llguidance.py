@@ -27,8 +27,10 @@ from .vocabulary import TokenVocabulary
 
 BACKEND = "llguidance"
 #: Masks kept per request (oldest dropped first): one is vocab-size bytes (48 KiB here), and a
-#: long generation visits thousands of trie nodes, few of them twice.
-MAX_CACHED_MASKS = 512
+#: long generation visits thousands of trie nodes, few of them twice; a step reads the masks of
+#: its draft path (at most K_max + 1) and of the state it starts from. 128 (6 MiB) rather than
+#: 512: 16 rows of 24 MiB each churned the server's heap (seen in the soak's memory).
+MAX_CACHED_MASKS = 128
 #: llguidance's default lexer fuel per mask step (200k) runs out inside long bounded patterns
 #: (``^(\\S+\\s+){0,99}\\S+$`` with ``maxLength: 5000``) and then silently disallows valid
 #: bytes, narrowing the language. 100 times more keeps such strings (measured: a 100-character

@@ -142,6 +142,8 @@ class SpeculativeDecoder:
         self._started = time.perf_counter()
         #: Set by a batch engine that decodes this request among others (``decoding.engine``).
         self.in_batch = False
+        #: The target's features of the last forward's positions, for a learned head.
+        self._features: torch.Tensor | None = None
 
     @property
     def budgeted(self) -> bool:
@@ -161,9 +163,15 @@ class SpeculativeDecoder:
         the others are zero: the vocabulary projection is a fifth of a forward here, so rows
         nobody reads are skipped."""
         keep = torch.tensor(rows, dtype=torch.long, device=self.device)
-        extra = {"prompt_rows": first} if self._batch_invariant else {}  # see models.invariant
+        extra: dict[str, Any] = {"prompt_rows": first} if self._batch_invariant else {}  # see models.invariant
+        taps = self.drafter.feature_layers if self.drafter is not None else ()
+        if taps:  # a learned head reads the target's hidden states: this forward returns them
+            extra["output_hidden_states"] = True
         out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
                           logits_to_keep=keep, **extra)
+        if taps:
+            feats = torch.cat([out.hidden_states[i][0] for i in taps], dim=-1)
+            self._features = (feats if feats.dtype == torch.float64 else feats.float()).cpu()
         if not self.stats.target_forwards and self.cache.get_seq_length() != self._prefilled + len(ids):
             import transformers
 
@@ -331,11 +339,17 @@ class SpeculativeDecoder:
         # 4. Verify: one target forward over [last, x_1..x_k] (after the prompt, in the first
         # step) -> logits for k + 1 positions, masked.
         tc = time.perf_counter()
+        start = self.cache.get_seq_length()
         logits = self._forward(plan.tokens, plan.rows, plan.first)  # [k+1, V]
         emitted, dropped = self.finish(plan, logits, time.perf_counter() - tc)
-        # 5. Roll back: drop the rejected positions from the cache.
+        # 5. Roll back: drop the rejected positions from the cache; a learned head sees the
+        # target's features of the positions kept.
         if dropped:
             self.cache.crop(-dropped)
+        if self._features is not None and self.drafter is not None and not self.done:
+            kept = len(plan.tokens) - dropped
+            self.drafter.observe(start, plan.tokens[:kept], self._features[:kept])
+        self._features = None
         return emitted
 
     @property

@@ -73,6 +73,16 @@ class Drafter:
     def set_generator(self, generator: torch.Generator | None) -> None:
         """The random source of the request (from ``seed=``), shared with the verifier."""
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Indices into the target's ``hidden_states`` this drafter reads (a learned head);
+        empty: the decoder computes none."""
+        return ()
+
+    def observe(self, start: int, tokens: Sequence[int], features: torch.Tensor) -> None:
+        """The target's features ``[len(tokens), layers * d]`` (the ``feature_layers``
+        concatenated) after each of ``tokens``, fed at absolute positions ``start..`` and kept."""
+
     def matchers(self) -> list[Matcher]:
         """Every matcher this drafter walks (one per part for composite drafters)."""
         return [self.matcher]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..constraint import Matcher, State
@@ -43,6 +45,17 @@ class HybridDrafter(Drafter):
         for part in self.parts:
             part.set_generator(generator)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The layers the first part that reads target features asks for."""
+        return next((part.feature_layers for part in self.parts if part.feature_layers), ())
+
+    def observe(self, start: int, tokens: Sequence[int], features: torch.Tensor) -> None:
+        """Hand the target's features to every part that reads them."""
+        for part in self.parts:
+            if part.feature_layers:
+                part.observe(start, tokens, features)
+
     def matchers(self) -> list[Matcher]:
         """The one matcher all parts walk."""
         return [self.matcher]
@@ -57,7 +70,7 @@ class HybridDrafter(Drafter):
             grew = False
             for part in self.parts:
                 room = k - len(tokens)
-                if part.name == "model":
+                if part.name in ("model", "head"):
                     room = min(room, self.max_model_tokens)
                 d = part.propose(context + tokens, states[-1], room)
                 if not d.tokens:

@@ -170,6 +170,21 @@ class MemoryTrim:
             self._trim(0)
 
 
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``) before the server starts its threads:
+    by default each thread that allocates gets an arena of its own (up to 8 per core), and the
+    server's threads (HTTP, engine, compiles) each kept fragments of their own. Returns whether
+    it took effect (False where the C library has no ``mallopt``)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-8, arenas))  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        return False
+
+
 def _malloc_trim() -> Any:
     import ctypes
     import ctypes.util

@@ -1,0 +1,323 @@
+"""A learned draft head over the target's own hidden states (EAGLE-3 style), masked by the grammar.
+
+Why a head and not a standalone small LM: a small LM pays for its own embedding, every layer and
+an output projection over the whole vocabulary (for SmolLM2-135M the output projection alone is
+28M of its 135M parameters), and it must read the context a second time. The head reads what the
+target already computed in its verify forward (the hidden states of a low, a middle and a high
+layer at every position it fed), adds one decoder layer, and predicts through a *draft
+vocabulary* ``V_d``: the few thousand tokens the target actually emits under constraints. Its
+cost per draft token is one small layer and a ``d x |V_d|`` projection.
+
+The data flow, per position ``t`` of the context: ``g_t = fc([f_low; f_mid; f_high])`` (the
+target's features after token ``t``), ``u_t = proj([g_t; embed(x_{t+1})])`` (the token that came
+next, through the target's own frozen embedding), one Llama decoder layer over ``u_0..u_t``
+(causal, its own KV cache), a final norm -> ``h_t`` -> logits over ``V_d`` for token ``x_{t+2}``.
+Drafting further, the head's own ``h_t`` stands in for ``g_{t+1}`` (EAGLE-3's "training-time
+test" trains it to). The draft law is ``q = softmax over M_i ∩ V_d`` of the logits at the
+request's temperature (zero elsewhere, EOS excluded as for every drafter), so the verifier's
+residual still reaches every token of ``M_i`` and the output law is exactly the target's; where
+``M_i ∩ V_d`` is empty the head stops drafting.
+
+The decoder hands the head the target's features of every position it keeps after a step
+(``observe``); positions it never fed through a verify forward (a shared prefix taken from the
+prefix cache) have none, so the head's context starts after them, as in training.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from ..constraint import Matcher, State, masked_probs
+from ..errors import InvalidOptionError, ModelLoadError, TokenizerMismatchError
+from .base import Draft, Drafter
+
+CONFIG_FILE = "head_config.json"
+WEIGHTS_FILE = "head.safetensors"
+
+
+def default_taps(num_layers: int) -> tuple[int, int, int]:
+    """Indices into the target's ``hidden_states`` (0 = embeddings, ``num_layers`` = the final,
+    normed output) for the low, middle and high features, as EAGLE-3 picks them."""
+    return tuple(max(1, min(num_layers, i)) for i in (2, num_layers // 2, num_layers - 3))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """What a head is: its sizes, the target features it reads, its draft vocabulary and the
+    tokenizer it was trained for (a head is refused on another one).
+
+    Attributes:
+        hidden_size: the target's hidden size (the head works at the same width).
+        taps: indices into the target's ``hidden_states`` (see ``default_taps``).
+        draft_vocab: the token ids the head can propose, ``V_d`` (sorted, EOS excluded).
+        num_heads / num_kv_heads / intermediate_size: the decoder layer's shape.
+        tokenizer_fingerprint: ``TokenVocabulary.fingerprint`` of the target's tokenizer.
+        target: the target model's name (informative).
+        rms_norm_eps / rope_theta / max_positions: as the target's.
+    """
+
+    hidden_size: int
+    taps: tuple[int, ...]
+    draft_vocab: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    tokenizer_fingerprint: str
+    target: str = ""
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_positions: int = 8192
+
+    def layer_config(self) -> LlamaConfig:
+        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                           num_hidden_layers=1, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           max_position_embeddings=self.max_positions, vocab_size=1, attn_implementation="eager",
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+    @classmethod
+    def for_target(cls, target: Any, tokenizer_fingerprint: str, draft_vocab: Sequence[int], *, name: str = "",
+                   intermediate_size: int | None = None) -> "HeadConfig":
+        """A head shaped after ``target`` (a transformers causal LM)."""
+        c = target.config
+        rope = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(hidden_size=c.hidden_size, taps=default_taps(c.num_hidden_layers),
+                   draft_vocab=tuple(sorted(set(int(t) for t in draft_vocab))), num_heads=c.num_attention_heads,
+                   num_kv_heads=c.num_key_value_heads, intermediate_size=intermediate_size or c.intermediate_size,
+                   tokenizer_fingerprint=tokenizer_fingerprint, target=name,
+                   rms_norm_eps=c.rms_norm_eps, rope_theta=float(rope), max_positions=c.max_position_embeddings)
+
+
+class DraftHead(nn.Module):
+    """The head's weights (see the module docstring). ``embed`` is the target's input embedding,
+    shared and frozen: it is not part of the head's state and is not saved."""
+
+    def __init__(self, config: HeadConfig, embed: nn.Embedding) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(len(config.taps) * d, d, bias=False)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        lc = config.layer_config()
+        self.layer = LlamaDecoderLayer(lc, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(lc)
+        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, len(config.draft_vocab), bias=False)
+        self.register_buffer("vocab_ids", torch.tensor(config.draft_vocab, dtype=torch.long), persistent=False)
+        self._embed = [embed]  # a list: not registered as a submodule (not trained, not saved)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._embed[0](tokens).to(self.fc.weight.dtype)
+
+    def forward(self, g: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                cache: DynamicCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g`` ``[B, T, d]`` (projected target features or the head's own hidden states),
+        ``next_tokens`` ``[B, T]``, ``positions`` ``[B, T]`` (absolute) -> (hidden ``[B, T, d]``,
+        logits over ``V_d`` ``[B, T, |V_d|]``). Attends causally over ``cache`` and the T
+        inputs; appends them to ``cache``."""
+        u = self.proj(torch.cat([g, self.embed(next_tokens)], dim=-1))
+        t = u.shape[1]
+        past = cache.get_seq_length() if cache is not None else 0
+        mask = None
+        if t > 1:  # causal within the new positions, all of the cache visible
+            mask = torch.full((t, past + t), float("-inf"), dtype=u.dtype, device=u.device)
+            mask = torch.triu(mask, diagonal=past + 1)[None, None]
+        cos_sin = self.rotary(u, positions)
+        out = self.layer(u, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
+                         position_embeddings=cos_sin)
+        h = out[0] if isinstance(out, tuple) else out
+        return h, self.lm_head(self.norm(h))
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """``[..., taps * d]`` target features -> ``g`` ``[..., d]``."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    # -- saving and loading -------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        """Write the config and the weights (safetensors) to ``directory``; returns it."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(out / WEIGHTS_FILE))
+        return out
+
+
+def load_head(directory: str | Path, target: Any, tokenizer_fingerprint: str) -> DraftHead:
+    """The head saved in ``directory``, for ``target`` (its embedding is shared). Raises
+    ``TokenizerMismatchError`` when the head was trained for another tokenizer and
+    ``ModelLoadError`` when the directory holds no head or one shaped for another model."""
+    from safetensors.torch import load_file
+
+    path = Path(directory)
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise ModelLoadError(f"Invalid draft head {str(path)!r}: expected {CONFIG_FILE} and {WEIGHTS_FILE} there "
+                             "(train one with constrained-spec train-drafter).")
+    raw = json.loads((path / CONFIG_FILE).read_text())
+    raw["taps"], raw["draft_vocab"] = tuple(raw["taps"]), tuple(raw["draft_vocab"])
+    config = HeadConfig(**raw)
+    if config.tokenizer_fingerprint != tokenizer_fingerprint:
+        raise TokenizerMismatchError(
+            f"The draft head in {str(path)!r} was trained for another tokenizer (fingerprint "
+            f"{config.tokenizer_fingerprint[:12]}, the target's is {tokenizer_fingerprint[:12]}); train one for this "
+            "model with constrained-spec train-drafter.")
+    if config.hidden_size != target.config.hidden_size or max(config.taps) > target.config.num_hidden_layers:
+        raise ModelLoadError(f"Invalid draft head {str(path)!r}: shaped for a model of hidden size "
+                             f"{config.hidden_size} and {max(config.taps)}+ layers, not this target.")
+    head = DraftHead(config, target.get_input_embeddings())
+    head.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+    dtype = target.get_input_embeddings().weight.dtype
+    return head.to(torch.float64 if dtype == torch.float64 else torch.float32).eval()
+
+
+class HeadDrafter(Drafter):
+    """Drafts with a ``DraftHead`` from the target's features (see the module docstring).
+
+    The decoder feeds it through ``observe`` after every step; ``propose`` first brings the
+    head's cache up to the context it has features for, then rolls the head forward up to K
+    tokens on its own hidden states, each masked by the request's matcher and ``V_d``.
+    """
+
+    name = "head"
+
+    def __init__(self, head: DraftHead, matcher: Matcher, *, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__(matcher)
+        if temperature < 0:
+            raise InvalidOptionError(f"Invalid temperature: expected a number >= 0, got {temperature!r}.")
+        self.head = head
+        self.temperature = temperature
+        self.generator = generator
+        self.taps = head.config.taps
+        #: The law's size: the target's logits (the matcher's vocabulary may be shorter: padding rows).
+        self.size = max(head._embed[0].num_embeddings, matcher.vocab.size)
+        self._in_vocab = torch.zeros(self.size, dtype=torch.bool)
+        self._in_vocab[head.vocab_ids[head.vocab_ids < self.size]] = True
+        self._in_vocab[matcher.eos_token_id] = False
+        self.reset([])
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target ``hidden_states`` indices the decoder must hand to ``observe``."""
+        return self.taps
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Forget the previous request: no features, an empty head cache."""
+        #: Absolute position of the first token with features; their tokens and projections.
+        self.start: int | None = None
+        self.tokens: list[int] = []
+        self.g: list[torch.Tensor] = []
+        self.cache = DynamicCache()
+        self.fed = 0  # pairs (g_t, x_{t+1}) in the head cache, from ``start`` on
+
+    def set_generator(self, generator: torch.Generator | None) -> None:
+        """Sample from the request's generator, so ``seed=`` reproduces the draft too."""
+        self.generator = generator
+
+    @torch.no_grad()
+    def observe(self, start: int, tokens: Sequence[int], features: torch.Tensor) -> None:
+        """The target's features ``[len(tokens), taps * d]`` after each of ``tokens``, fed at
+        absolute positions ``start..`` and kept in its cache. Earlier positions past ``start``
+        (rejected drafts the decoder rolled back) are forgotten first."""
+        if not tokens:
+            return
+        if self.start is None or start < self.start:
+            self.reset([])
+            self.start = start
+        keep = start - self.start
+        if keep > len(self.tokens):  # a gap (positions never seen): start afresh here
+            self.reset([])
+            self.start, keep = start, 0
+        # Pairs (g_t, x_{t+1}) stay valid while x_{t+1} does: those with t + 1 < keep.
+        self._crop(min(self.fed, max(0, keep - 1)))
+        del self.tokens[keep:]
+        del self.g[keep:]
+        self.tokens.extend(int(t) for t in tokens)
+        self.g.extend(self.head.project_features(features).unbind(0))
+
+    def _crop(self, pairs: int) -> None:
+        if pairs < self.fed:
+            self._cut_cache(pairs)
+            self.fed = pairs
+
+    def _cut_cache(self, length: int) -> None:
+        """Keep the head cache's first ``length`` positions (``crop`` takes how many to drop)."""
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    @torch.no_grad()
+    def _sync(self, last: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Feed the head every pair it has not seen, ending with (g of the last fed token, the
+        token ``last`` that follows it); returns the head's (hidden, logits) at that pair."""
+        if self.start is None or not self.tokens:
+            return None
+        n = len(self.tokens)
+        self._crop(min(self.fed, n - 1))  # the last pair's next token may have changed
+        # Pairs fed now: t = fed .. n-1, next tokens tokens[t+1] (and ``last`` for t = n-1).
+        nxt = self.tokens[self.fed + 1 :] + [last]
+        g = torch.stack(self.g[self.fed :])[None]
+        pos = torch.arange(self.start + self.fed, self.start + n)[None]
+        h, logits = self.head(g, torch.tensor([nxt]), pos, self.cache)
+        self.fed = n
+        return h[0, -1], logits[0, -1]
+
+    def _masked(self, logits: torch.Tensor, state: State) -> torch.Tensor | None:
+        """The head's logits over the full vocabulary with everything outside
+        ``M ∩ V_d`` (and EOS) at -inf; None when nothing is left."""
+        allowed = self._in_vocab.clone()
+        mask = self.matcher.allowed_mask(state)
+        allowed[: mask.shape[0]] &= mask
+        allowed[mask.shape[0]:] = False
+        if not bool(allowed.any()):
+            return None
+        full = torch.full((self.size,), float("-inf"), dtype=torch.float64)
+        ids = self.head.vocab_ids
+        inside = ids < self.size
+        full[ids[inside]] = logits[inside].double()
+        full[~allowed] = float("-inf")
+        return full
+
+    @torch.no_grad()
+    def propose(self, context: list[int], state: State, k: int) -> Draft:
+        """Up to ``k`` tokens from the head, masked by the matcher along the path and by ``V_d``."""
+        if k <= 0:
+            return self.empty(state)
+        at = self._sync(context[-1])
+        if at is None:
+            return self.empty(state)
+        h, logits = at
+        states, tokens, qs = [state], [], []
+        pos = self.start + len(self.tokens)  # type: ignore[operator]
+        for i in range(k):
+            s = states[-1]
+            if self.matcher.is_done(s):
+                break
+            masked = self._masked(logits, s)
+            if masked is None:
+                break
+            if self.temperature > 0:
+                q = masked_probs(masked, self.temperature)
+                x = int(torch.multinomial(q, 1, generator=self.generator))
+                qs.append(q)
+            else:
+                x = int(masked.argmax())
+            tokens.append(x)
+            states.append(self.matcher.next_state(s, x))  # type: ignore[arg-type]
+            if i + 1 < k:  # roll on the head's own hidden state, in the cache beyond the context
+                hh, ll = self.head(h[None, None], torch.tensor([[x]]), torch.tensor([[pos + i]]), self.cache)
+                h, logits = hh[0, -1], ll[0, -1]
+        # Draft pairs are dropped from the cache at the next sync (they lie past ``fed``).
+        self._cut_cache(self.fed)
+        return Draft(tokens, states, torch.stack(qs) if qs else None, self.name)
