@@ -142,3 +142,28 @@ def test_save_load_and_a_head_for_another_tokenizer_is_refused(setup, tmp_path):
         load_head(tmp_path / "head", target, "0" * 40)
     with pytest.raises(ModelLoadError, match="head_config.json"):
         load_head(tmp_path, target, vocab.fingerprint)
+
+
+def test_a_few_training_steps_learn_the_target_and_the_saved_head_drafts_exactly(setup, tmp_path):
+    """Training on the target's own outputs raises the head's first-token agreement on them
+    (from a random head's), saves a head that loads, and drafting with it keeps the output."""
+    from constrained_spec.pipelines.train_drafter import decode_outputs, draft_vocabulary, evaluate, featurize, train_head
+
+    vocab, compiled, target, _ = setup
+    prompts = [PROMPT, PROMPT[:4], [6, 6, 1, 2], [3, 4, 5, 6, 1], [2, 2, 6], [5, 6, 3]]
+    items = [(p, compiled) for p in prompts]
+
+    report = train_head(target, vocab, items, tmp_path / "head", steps=120, sampled=3, unroll=2, lr=3e-3,
+                        held_out=0.0, draft_vocab=4, seed=0)
+    assert report.steps == 120 and report.draft_vocab <= 4
+    head = load_head(tmp_path / "head", target, vocab.fingerprint)
+    outputs = decode_outputs(target, items, sampled=3, seed=0)
+    seqs = featurize(target, outputs, list(head.config.draft_vocab), head.config.taps)
+    untrained = DraftHead(head.config, target.get_input_embeddings()).double()
+    assert evaluate(head.float(), seqs) > evaluate(untrained.float(), seqs) + 0.1
+    assert report.best_agreement >= 0.6
+    m1 = compiled.matcher()
+    ref = decode(target, compiled.matcher(), PROMPT, max_new_tokens=16)
+    res = decode(target, m1, PROMPT, drafter=HeadDrafter(head.double(), m1), k_policy=FixedK(3), max_new_tokens=16)
+    assert res.tokens == ref.tokens
+    assert set(head.config.draft_vocab) == set(draft_vocabulary(outputs, 4, EOS))
