@@ -10,8 +10,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -565,7 +564,7 @@ def fuzz_cmd(
     be a 2xx with a valid body or a 4xx with an error body, never a 5xx; exits 1 on a problem."""
     def go() -> None:
         from .pipelines.hostile import run_fuzz
-        from .pipelines.serve_bench import local_server
+        from .pipelines.serve_bench import given_server, local_server
 
         if examples < 1:
             raise InvalidOptionError(f"Invalid --examples: expected at least 1, got {examples}.")
@@ -573,7 +572,7 @@ def fuzz_cmd(
             import hypothesis  # noqa: F401
         except ImportError:
             raise InvalidOptionError("fuzz needs hypothesis: pip install 'constrained_spec[fuzz]'") from None
-        with (local_server(4, 16) if server is None else _given_url(server)) as url:
+        with (local_server(4, 16) if server is None else given_server(server)) as url:
             report = run_fuzz(url, examples=examples, seed=seed, api_key=api_key, progress=err.print)
         _report(report, json_out)
         if report["problems"] or not report["healthy_after"]:
@@ -608,11 +607,6 @@ def soak_cmd(
             raise typer.Exit(1)
 
     _run_guarded(go)
-
-
-@contextmanager
-def _given_url(url: str) -> Iterator[str]:
-    yield url.rstrip("/")
 
 
 def _report(report: dict, json_out: Optional[Path]) -> None:

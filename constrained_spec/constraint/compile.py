@@ -128,9 +128,10 @@ def compile_constraint(
         ws = whitespace_regex(whitespace)
         if ws:
             check_regex_limits(ws, limits)
-        source = load_schema(spec, limits=limits)
+        source = load_schema(spec, limits=limits)  # checks the limits of what it loads
         key_text = json.dumps(source.schema, sort_keys=True)
-        check_schema_limits(source.schema, limits, text_bytes=len(key_text))  # also a JsonSchema loaded elsewhere
+        if isinstance(spec, JsonSchema):  # loaded elsewhere, maybe under other limits
+            check_schema_limits(source.schema, limits, text_bytes=len(key_text))
     vocab = vocabulary_of(tokenizer)
     key = (backend, vocab.fingerprint, kind, key_text, whitespace if kind == "json" else "", lenient)
     hit = _CACHE.get(key)

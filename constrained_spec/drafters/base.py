@@ -103,3 +103,16 @@ def cut_to_constraint(matcher: Matcher, state: State, tokens: Sequence[int]) -> 
             break
         states.append(nxt)
     return states
+
+
+def draw_masked(masked_logits: torch.Tensor, temperature: float,
+                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """One draft token from logits already masked to what may be drafted: sampled from
+    ``q = softmax(masked / T)``, returned for the verifier, or at T = 0 the argmax (q one-hot:
+    None)."""
+    from ..constraint import masked_probs
+
+    if temperature > 0:
+        q = masked_probs(masked_logits, temperature)
+        return int(torch.multinomial(q, 1, generator=generator)), q
+    return int(masked_logits.argmax()), None

@@ -35,9 +35,9 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from ..constraint import Matcher, State, masked_probs
+from ..constraint import Matcher, State
 from ..errors import InvalidOptionError, ModelLoadError, TokenizerMismatchError
-from .base import Draft, Drafter
+from .base import Draft, Drafter, draw_masked
 
 CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
@@ -307,12 +307,9 @@ class HeadDrafter(Drafter):
             masked = self._masked(logits, s)
             if masked is None:
                 break
-            if self.temperature > 0:
-                q = masked_probs(masked, self.temperature)
-                x = int(torch.multinomial(q, 1, generator=self.generator))
+            x, q = draw_masked(masked, self.temperature, self.generator)
+            if q is not None:
                 qs.append(q)
-            else:
-                x = int(masked.argmax())
             tokens.append(x)
             states.append(self.matcher.next_state(s, x))  # type: ignore[arg-type]
             if i + 1 < k:  # roll on the head's own hidden state, in the cache beyond the context

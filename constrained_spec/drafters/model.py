@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..constraint import Matcher, State, apply_mask, masked_probs
-from .base import Draft, Drafter
+from ..constraint import Matcher, State, apply_mask
+from .base import Draft, Drafter, draw_masked
 
 
 class ModelDrafter(Drafter):
@@ -79,12 +79,9 @@ class ModelDrafter(Drafter):
             if not bool(mask.any()):
                 break
             masked = apply_mask(logits.double(), mask)
-            if self.temperature > 0:
-                q = masked_probs(masked, self.temperature)
-                x = int(torch.multinomial(q, 1, generator=self.generator))
+            x, q = draw_masked(masked, self.temperature, self.generator)
+            if q is not None:
                 qs.append(q)
-            else:
-                x = int(masked.argmax())
             tokens.append(x)
             states.append(self.matcher.next_state(s, x))  # type: ignore[arg-type]
             if i + 1 < k:

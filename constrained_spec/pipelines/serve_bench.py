@@ -194,7 +194,7 @@ def run_serve_bench(levels: list[int], *, url: str | None = None, documents: Pat
     fields = describe_fields(Person.model_json_schema())
     prompts = [DEFAULT_PROMPT_TEMPLATE.format(text=d["text"], fields=fields, schema="") for d in docs]
     rows = []
-    with (local_server(max_batch, max(levels)) if url is None else _given(url)) as base:
+    with (local_server(max_batch, max(levels)) if url is None else given_server(url)) as base:
         _run_level(base, prompts[:2], 2, "auto", max_tokens, api_key)  # warm-up: kernels, compile
         for clients in levels:
             for drafter in ("none", "auto"):
@@ -207,5 +207,6 @@ def run_serve_bench(levels: list[int], *, url: str | None = None, documents: Pat
 
 
 @contextmanager
-def _given(url: str) -> Iterator[str]:
+def given_server(url: str) -> Iterator[str]:
+    """A server already running at ``url``, in the shape of ``local_server``."""
     yield url.rstrip("/")
