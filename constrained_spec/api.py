@@ -17,8 +17,10 @@ from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constra
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
 from .decoding.prefix import MIN_PREFIX, shared_prefix_length
 from .drafters import Drafter, build_drafter
+from .drafters.head import DraftHead, head_for, is_head_dir
 from .errors import (
-    InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, RepetitionError, TokenLimitError,
+    InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, RepetitionError, TokenizerMismatchError,
+    TokenLimitError,
 )
 from .models import ModelHandle, check_same_tokenizer, resolve_model
 
@@ -133,7 +135,16 @@ class RequestParts:
     prefix_len: int | None = None
 
 
-def prepare_request(handle: ModelHandle, draft_handle: ModelHandle | None, compiled: CompiledConstraint,
+@dataclass(frozen=True)
+class DraftSource:
+    """What a request drafts with besides the model-free drafters: a draft model (same
+    tokenizer) and / or a learned head for the target (``drafters.head``)."""
+
+    model: ModelHandle | None = None
+    head: DraftHead | None = None
+
+
+def prepare_request(handle: ModelHandle, draft: DraftSource | None, compiled: CompiledConstraint,
                     prompt: str, opts: SpecOptions, task: str, shared_prefix: str | None = None,
                     prompt_ids: list[int] | None = None, prefix_len: int | None = None) -> RequestParts:
     """Encode the prompt and build the request's matcher, drafter and K policy (every check
@@ -153,20 +164,42 @@ def prepare_request(handle: ModelHandle, draft_handle: ModelHandle | None, compi
         prefix_len = shared_prefix_length(prompt_ids, encode_prompt(handle, shared_prefix))
     # Raises InvalidOptionError for drafter="model" without a draft model (still before any forward).
     drafter = build_drafter(opts.drafter_kind, matcher, handle.tokenizer,
-                            draft_model=draft_handle.model if draft_handle else None,
-                            temperature=opts.temperature, source_text=prompt)
+                            draft_model=draft.model.model if draft and draft.model else None,
+                            head=draft.head if draft else None, temperature=opts.temperature, source_text=prompt)
     profile, k_max = opts.resolve_k_max(task)
     policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name)
     return RequestParts(prompt_ids, matcher, drafter, policy, profile, prefix_len)
 
 
-def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> ModelHandle | None:
-    """The draft model's handle when the drafter uses one, checked against the target's tokenizer."""
-    if draft is None or opts.drafter_kind not in ("model", "hybrid"):
+def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> DraftSource | None:
+    """What the request's drafter drafts with, checked against the target's tokenizer.
+
+    ``draft``: None (the target's shipped head, if the package has one for it, for "auto" /
+    "hybrid" / "head"), False (no learned draft: the model-free drafters only), a directory
+    saved by ``train-drafter`` (a head), a ``DraftHead``, a ``DraftSource``, or a draft model
+    in any form ``resolve_model`` takes.
+    """
+    if isinstance(draft, DraftSource):
+        return draft
+    kind = opts.drafter_kind
+    if draft is False or kind not in ("model", "head", "hybrid"):
         return None
+    fingerprint = handle.vocabulary.fingerprint
+    if draft is None:
+        if kind == "model":
+            return None
+        head = head_for(handle.model, fingerprint)
+        return DraftSource(head=head) if head is not None else None
+    if isinstance(draft, DraftHead):
+        if draft.config.tokenizer_fingerprint != fingerprint:
+            raise TokenizerMismatchError("Invalid draft: the draft head was trained for another tokenizer than the "
+                                         "target's; train one with constrained-spec train-drafter.")
+        return DraftSource(head=draft)
+    if is_head_dir(draft):
+        return DraftSource(head=head_for(handle.model, fingerprint, draft))
     draft_handle = resolve_model(draft, role="draft")
     check_same_tokenizer(handle, draft_handle)
-    return draft_handle
+    return DraftSource(model=draft_handle)
 
 
 def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], CompiledConstraint], prompt: str,
@@ -214,7 +247,10 @@ def generate_json(
             ``JsonSchema`` from ``load_schema``.
         prompt: the user message; it goes through the model's chat template when it has one.
             The schema is not added to it: say in the prompt what to extract.
-        draft: the draft model for ``drafter="model"`` / ``"hybrid"`` (same forms as ``model``).
+        draft: what "auto" drafts with besides forced text, copies and lookup: None (the
+            model's shipped draft head, when the package has one), False (none), a directory
+            from ``constrained-spec train-drafter`` (a head), or a draft model with the same
+            tokenizer for ``drafter="model"`` / ``"hybrid"`` (same forms as ``model``).
         options: a ``SpecOptions``; keyword arguments override its fields. The options:
             ``drafter`` ("auto"), ``k_max``, ``adaptive``, ``profile``, ``temperature`` (0:
             greedy), ``seed``, ``max_new_tokens`` (512), ``backend`` ("auto"), ``lenient``,

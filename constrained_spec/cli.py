@@ -34,8 +34,13 @@ EXAMPLE_PROMPT = (
 )
 
 ModelOpt = typer.Option(None, "--model", "-m", help="Model id or local path; default: the embedded SmolLM2-135M-Instruct.")
-DraftOpt = typer.Option(None, "--draft", help="Draft model id or path (same tokenizer as the target).")
-DrafterOpt = typer.Option("auto", "--drafter", help="none | model | lookup | grammar | hybrid | auto (= hybrid: forced text, copy from the prompt, lookup, then --draft when given).")
+def _draft_value(value: Optional[str]) -> Any:
+    """--draft none means no learned draft at all (not even the shipped head)."""
+    return False if isinstance(value, str) and value.lower() in ("none", "off", "false") else value
+
+
+DraftOpt = typer.Option(None, "--draft", callback=_draft_value, help="What auto drafts with besides forced text, copies and lookup: a head directory from train-drafter, a draft model id or path (same tokenizer), or none; default: the model's shipped head.")
+DrafterOpt = typer.Option("auto", "--drafter", help="none | model | head | lookup | grammar | hybrid | auto (= hybrid: forced text, copy from the prompt, lookup, then the head / --draft).")
 TempOpt = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples exactly from the masked target.")
 SeedOpt = typer.Option(None, "--seed", help="Seed for sampling.")
 MaxOpt = typer.Option(512, "--max-new-tokens", help="Generation limit.")
@@ -496,6 +501,7 @@ def bench_cmd(
     documents: Optional[Path] = typer.Option(None, "--documents", help="With --batch or --serve: JSONL of {id, text, expected?}; default: the 64 people documents shipped in the package."),
     serve: Optional[str] = typer.Option(None, "--serve", help="Comma-separated client counts, e.g. 1,8,32: the server load test instead (a server started here, or --server)."),
     server: Optional[str] = typer.Option(None, "--server", help="With --serve: load-test the server at this URL instead of starting one."),
+    workload: str = typer.Option("extraction", "--workload", help="extraction (the shipped prompts or --prompts) or generation (example objects for held-out Glaiveai2K schemas, never trained on)."),
 ) -> None:
     """Target-only vs every drafter and K policy on the extraction prompts, side by side in one run.
 
@@ -520,17 +526,22 @@ def bench_cmd(
             raise InvalidOptionError(f"Invalid --fixed-k: expected comma-separated integers, got {fixed_k!r}.") from None
         several = tuple(p.strip() for p in precision.split(",") if p.strip()) if precision and "," in precision else None
         target = model if several else _model_arg(model, dtype, precision)
-        report = run_bench(prompts or DEFAULT_PROMPTS, model=target, precisions=several, configs=default_configs(ks),
-                           max_new_tokens=max_new_tokens, profile=profile, outlines_reference=outlines_reference,
-                           llama_cpp=llama_cpp, limit=limit,
+        from .models import resolve_model
+        from .pipelines.bench import has_shipped_head
+
+        head = has_shipped_head(resolve_model(target) if not several else resolve_model(None))
+        report = run_bench(prompts or DEFAULT_PROMPTS, model=target, precisions=several,
+                           configs=default_configs(ks, head=head), max_new_tokens=max_new_tokens, profile=profile,
+                           outlines_reference=outlines_reference, llama_cpp=llama_cpp, limit=limit, workload=workload,
                            progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))
-        table = Table(title=f"{report['model']} ({report['precision']}): {report['prompts']} extraction prompts, greedy, "
+        table = Table(title=f"{report['model']} ({report['precision']}): {report['prompts']} {workload} prompts, greedy, "
                             f"profile {report['profile']}")
         cols = {"config": "config", "tokens_per_second": "tok/s", "speedup_vs_target_only": "speedup",
                 "prompt_pass_ms_mean": "prompt ms",
                 "target_forwards_per_token": "fwd/token", "acceptance_by_kind": "accepted by kind",
                 "constraint_ms_per_token_p50": "constraint ms/tok p50", "constraint_ms_per_token_p99": "p99",
-                "constraint_share_of_step": "share", "identical_outputs": "identical",
+                "constraint_share_of_step": "share", "head_acceptance_by_position": "head accepted by position",
+                "head_cost_vs_target_step": "head cost", "identical_outputs": "identical",
                 "field_accuracy": "fields right"}
         for c, header in cols.items():
             table.add_column(header, justify="left" if c in ("config", "acceptance_by_kind") else "right", no_wrap=True)
@@ -540,6 +551,8 @@ def bench_cmd(
                 v = row[c]
                 if isinstance(v, dict):
                     v = " ".join(f"{k} {x:.2f}" for k, x in v.items())
+                elif isinstance(v, list):
+                    v = " ".join(f"{x:.2f}" for x in v)
                 cells.append("-" if v is None else str(v))
             table.add_row(*cells)
         Console(width=max(180, Console().width)).print(table)
@@ -605,6 +618,77 @@ def soak_cmd(
         _report(report, json_out)
         if report["problems"] or not report["healthy_after"]:
             raise typer.Exit(1)
+
+    _run_guarded(go)
+
+
+@app.command("drafter-data")
+def drafter_data_cmd(
+    out: Path = typer.Option(..., "--out", help="The JSONL file to write (a prompt and a schema per line)."),
+    per_subset: int = typer.Option(40, "--per-subset", help="Prompts of each kind (generation, extraction) per subset."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="The JSONSchemaBench subsets (default: ../shared/data/jsonschemabench or $CONSTRAINED_SPEC_SCHEMA_DATA)."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Write training prompts for train-drafter: generation and extraction prompts from every
+    JSONSchemaBench subset except Glaiveai2K (kept for evaluation), and the repository's examples."""
+    def go() -> None:
+        from .pipelines.drafter_data import training_prompts, write_jsonl
+
+        if per_subset < 1:
+            raise InvalidOptionError(f"Invalid --per-subset: expected at least 1, got {per_subset}.")
+        rows = training_prompts(data_dir, per_subset=per_subset, seed=seed)
+        write_jsonl(rows, out)
+        kinds = {k: sum(r["kind"] == k for r in rows) for k in ("generation", "extraction")}
+        err.print(f"{len(rows)} prompts ({kinds['generation']} generation, {kinds['extraction']} extraction) -> {out}")
+
+    _run_guarded(go)
+
+
+@app.command("train-drafter")
+def train_drafter_cmd(
+    data: Path = typer.Option(..., "--data", help="JSONL: {\"prompt\": ..., \"schema\": ...} or {\"prompt\": ..., \"regex\": ...} per line (see drafter-data)."),
+    out: Path = typer.Option(..., "--out", help="Directory for the head (load it with draft=DIR / --draft DIR); checkpoints go there too."),
+    target: Optional[str] = typer.Option(None, "--target", help="Target model id or path; default: the embedded SmolLM2-135M-Instruct."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="The target's precision (as in json; default: native for the embedded model)."),
+    minutes: Optional[float] = typer.Option(None, "--minutes", help="Stop training after this many minutes (the best head is kept)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Stop after this many optimizer steps."),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Tokens the head can propose (the most used in the target's outputs, plus JSON punctuation)."),
+    sampled: int = typer.Option(1, "--sampled", help="Sampled outputs per prompt, besides the greedy one."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Length limit of each training output."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use the first N usable prompts only."),
+    unroll: int = typer.Option(3, "--unroll", help="Training passes on the head's own states (EAGLE-3's training-time test)."),
+    lr: float = typer.Option(5e-4, "--lr", help="AdamW learning rate."),
+    resume: bool = typer.Option(True, "--resume/--fresh", help="Take up a checkpoint in --out from the same data and options."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Train a grammar-masked draft head for the target on its own constrained outputs
+    (on-policy distillation, EAGLE-3 style; see pipelines.train_drafter)."""
+    def go() -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from .models import load_model
+        from .pipelines.train_drafter import TrainProgress, train_drafter
+
+        if minutes is None and steps is None:
+            raise InvalidOptionError("Invalid training budget: give --minutes or --steps.")
+        handle = load_model(target, precision=precision)
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err) as bar:
+            tasks: dict[str, Any] = {}
+
+            def progress(p: TrainProgress) -> None:
+                if p.phase not in tasks:
+                    tasks[p.phase] = bar.add_task({"decode": "decoding", "train": "training"}[p.phase], total=p.total,
+                                                  info="")
+                info = "" if p.loss is None else f"loss {p.loss:.3f}  held-out acceptance {p.agreement:.3f} (best {p.best:.3f})"
+                bar.update(tasks[p.phase], completed=p.done, total=max(p.total, p.done), info=info)
+                if not err.is_terminal and (p.loss is not None or p.done % 10 == 0 or p.done == p.total):
+                    err.print(f"{p.phase} {p.done}/{p.total} {info}")  # a log file gets lines, not a bar
+
+            report = train_drafter(handle, data, out, minutes=minutes, steps=steps, draft_vocab=draft_vocab,
+                                   sampled=sampled, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
+                                   unroll=unroll, lr=lr, resume=resume, progress=progress)
+        _report({k: v for k, v in dataclasses.asdict(report).items() if k != "losses"} | {"out": str(out)}, None)
 
     _run_guarded(go)
 

@@ -158,7 +158,7 @@ def test_a_few_training_steps_learn_the_target_and_the_saved_head_drafts_exactly
     assert report.steps == 120 and report.draft_vocab <= 4
     head = load_head(tmp_path / "head", target, vocab.fingerprint)
     outputs = decode_outputs(target, items, sampled=3, seed=0)
-    seqs = featurize(target, outputs, list(head.config.draft_vocab), head.config.taps)
+    seqs = featurize(target, outputs, list(head.config.draft_vocab))
     untrained = DraftHead(head.config, target.get_input_embeddings()).double()
     assert evaluate(head.float(), seqs) > evaluate(untrained.float(), seqs) + 0.1
     assert report.best_agreement >= 0.6
@@ -167,3 +167,95 @@ def test_a_few_training_steps_learn_the_target_and_the_saved_head_drafts_exactly
     res = decode(target, m1, PROMPT, drafter=HeadDrafter(head.double(), m1), k_policy=FixedK(3), max_new_tokens=16)
     assert res.tokens == ref.tokens
     assert set(head.config.draft_vocab) == set(draft_vocabulary(outputs, 4, EOS))
+    # The recorded features are the target's own: those of one fresh forward over the sequence.
+    o = outputs[0]
+    fwd = target(input_ids=torch.tensor([o.prompt + o.tokens]), output_hidden_states=True)
+    fresh = torch.cat([fwd.hidden_states[t][0] for t in head.config.taps], dim=-1)[:-1]
+    assert torch.allclose(o.features.double(), fresh.double(), atol=1e-5)
+    # Resuming a finished run takes up its checkpoint: no step is repeated.
+    again = train_head(target, vocab, items, tmp_path / "head", steps=120, sampled=3, unroll=2, lr=3e-3,
+                       held_out=0.0, draft_vocab=4, seed=0)
+    assert again.steps == 120 and again.decode_seconds < report.decode_seconds
+
+
+def _drafted_by_head(results) -> int:
+    return sum(r.stats.per_kind.get("head", {}).get("drafted", 0) for r in results)
+
+
+def test_in_a_batch_and_behind_other_drafters_the_output_is_the_target_only_output(setup):
+    """The batch engine hands each row's features to its head (it drafts), rows with a head
+    alone and a head behind lookup (rolling over lookup's tokens on its own states) beside
+    each other, and every row equals its target-only run; the same drafters one request at a
+    time give the same output."""
+    from constrained_spec.decoding.engine import BatchEngine
+    from constrained_spec.drafters import LookupDrafter
+    from constrained_spec.drafters.hybrid import HybridDrafter
+
+    _, compiled, target, head = setup
+    prompts = [PROMPT, PROMPT[:3], [6, 6, 6, 1], [3, 4, 5, 6, 1], [1, 3, 1, 3, 1]]
+    refs = [decode(target, compiled.matcher(), p, max_new_tokens=16).tokens for p in prompts]
+
+    def make(i, m):
+        return HeadDrafter(head, m) if i % 2 == 0 else HybridDrafter([LookupDrafter(m), HeadDrafter(head, m)])
+
+    engine = BatchEngine(target, max_batch=3)
+    reqs = []
+    for i, p in enumerate(prompts):
+        m = compiled.matcher()
+        reqs.append(engine.submit(p, m, drafter=make(i, m), k_policy=FixedK(3), max_new_tokens=16))
+    list(engine.run())
+    assert [r.result.tokens for r in reqs] == refs
+    assert _drafted_by_head([r.result for r in reqs]) > 0
+    singles = []
+    for i, p in enumerate(prompts):
+        m = compiled.matcher()
+        singles.append(decode(target, m, p, drafter=make(i, m), k_policy=FixedK(3), max_new_tokens=16))
+    assert [r.tokens for r in singles] == refs and _drafted_by_head(singles) > 0
+
+
+def test_int8_and_bfloat16_weights_load_close_and_draft_exactly(setup, tmp_path):
+    vocab, compiled, target, head = setup
+    for weights, tol in (("int8", 0.02), ("bfloat16", 0.01)):
+        head.save(tmp_path / weights, weights=weights)
+        loaded = load_head(tmp_path / weights, target, vocab.fingerprint)
+        for (name, a), b in zip(head.state_dict().items(), loaded.state_dict().values()):
+            assert (a - b).abs().max() <= tol * a.abs().max() + 1e-12, name
+        m = compiled.matcher()
+        res = decode(target, m, PROMPT, drafter=HeadDrafter(loaded, m), k_policy=FixedK(3), max_new_tokens=16)
+        assert res.tokens == decode(target, compiled.matcher(), PROMPT, max_new_tokens=16).tokens
+    size = {w: (tmp_path / w / "head.safetensors").stat().st_size for w in ("int8", "bfloat16")}
+    assert size["int8"] < 0.8 * size["bfloat16"]
+
+
+def test_draft_false_a_directory_and_a_head_for_another_tokenizer(setup, tmp_path):
+    from constrained_spec.api import DraftSource, resolve_draft
+    from constrained_spec.decoding import SpecOptions
+    from constrained_spec.models import ModelHandle
+
+    vocab, _, target, head = setup
+    handle = ModelHandle(target, vocab, "tiny")
+    auto = SpecOptions(drafter="auto")
+    assert resolve_draft(None, handle, auto) is None  # no head ships for the tiny model
+    assert resolve_draft(False, handle, auto) is None
+    head.save(tmp_path / "h")
+    source = resolve_draft(str(tmp_path / "h"), handle, auto)
+    assert isinstance(source, DraftSource) and source.head is not None and source.model is None
+    assert source.head.config == head.config
+    assert resolve_draft(str(tmp_path / "h"), handle, SpecOptions(drafter="lookup")) is None
+    other = DraftHead(HeadConfig.for_target(target, "0" * 40, DRAFT_VOCAB), target.get_input_embeddings())
+    with pytest.raises(TokenizerMismatchError, match="another tokenizer"):
+        resolve_draft(other, handle, auto)
+
+
+def test_a_head_that_does_not_pay_is_not_drafted():
+    from constrained_spec.decoding import AdaptiveK
+
+    policy = AdaptiveK(8)
+    assert policy.draft_room([], "head", 4, 0.0) >= 1  # the prior: a head token pays
+    assert FixedK(3).draft_room(["grammar"], "head", 2, 1.0) == 2
+    for _ in range(20):  # the head's tokens were always rejected: none is worth drafting
+        policy.update(["head", "head"], 0, None, 0.0)
+    assert policy.draft_room([], "head", 4, 0.0) == 0
+    # After a long forced span, one more costly token adds little: fewer are drafted.
+    fresh = AdaptiveK(8)
+    assert fresh.draft_room(["grammar"] * 6, "head", 4, 0.0) <= fresh.draft_room([], "head", 4, 0.0)

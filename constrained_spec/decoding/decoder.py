@@ -118,6 +118,8 @@ class SpeculativeDecoder:
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         if drafter is not None:
             drafter.set_generator(self.generator)
+            # A learned part drafts only as many tokens as its cost and acceptance pay for.
+            drafter.set_draft_budget(getattr(self.k_policy, "draft_room", None))
         self.max_new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
         self.device = next(target.parameters()).device
         self._batch_invariant = bool(getattr(target, "batch_invariant", False))
@@ -164,7 +166,7 @@ class SpeculativeDecoder:
         nobody reads are skipped."""
         keep = torch.tensor(rows, dtype=torch.long, device=self.device)
         extra: dict[str, Any] = {"prompt_rows": first} if self._batch_invariant else {}  # see models.invariant
-        taps = self.drafter.feature_layers if self.drafter is not None else ()
+        taps = self.feature_layers
         if taps:  # a learned head reads the target's hidden states: this forward returns them
             extra["output_hidden_states"] = True
         out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
@@ -306,8 +308,13 @@ class SpeculativeDecoder:
         st.accepted += n
         st.ks.append(k)
         st.accepted_per_step.append(n)
-        for i, kind in enumerate(draft.token_kinds()):
+        run = 0
+        kinds = draft.token_kinds()
+        for i, kind in enumerate(kinds):
             st.count_kind(kind, drafted=1, accepted=int(i < n))
+            run = run + 1 if i and kinds[i - 1] == kind else 0
+            if i <= n:  # examined: positions after the first rejection were never judged
+                st.count_position(kind, run, i < n)
         if y != self.matcher.eos_token_id:
             st.count_kind("target", accepted=1)
         st.step_ends.append(t6 - self._started)
@@ -346,11 +353,22 @@ class SpeculativeDecoder:
         # target's features of the positions kept.
         if dropped:
             self.cache.crop(-dropped)
-        if self._features is not None and self.drafter is not None and not self.done:
-            kept = len(plan.tokens) - dropped
-            self.drafter.observe(start, plan.tokens[:kept], self._features[:kept])
+        if self._features is not None:
+            self.observe_features(start, plan, self._features, dropped)
         self._features = None
         return emitted
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target ``hidden_states`` the drafter reads (empty: none to compute)."""
+        return self.drafter.feature_layers if self.drafter is not None else ()
+
+    def observe_features(self, start: int, plan: StepPlan, features: torch.Tensor, dropped: int) -> None:
+        """Hand the drafter the target's features of the positions a step fed and kept
+        (``start``: the first one's absolute position; ``features`` ``[len(plan.tokens), ...]``)."""
+        if self.drafter is not None:
+            kept = len(plan.tokens) - dropped
+            self.drafter.observe(start, plan.tokens[:kept], features[:kept])
 
     @property
     def done(self) -> bool:
@@ -373,6 +391,8 @@ class SpeculativeDecoder:
         self.stats.output_tokens = len(self.output)
         self.stats.finished = self.finished
         self.stats.total_seconds = time.perf_counter() - self._started
+        if self.drafter is not None:
+            self.stats.draft_seconds_by_kind = self.drafter.timings()
         self.stats.finish()
 
     def run(self) -> Iterator[list[int]]:

@@ -219,6 +219,11 @@ class BatchEngine:
                       packing=self.cache.packing)
         if self._invariant and packing.prompts:  # joining requests' prompt rows keep the stock kernels
             inputs["prompt_rows"] = [(seg.start, seg.length) for seg in packing.prompts]
+        # Rows whose drafter is a learned head read the target's features of what they fed.
+        reads = {i: self.active[i].decoder.feature_layers for i, _ in live}
+        if any(reads.values()):
+            inputs["output_hidden_states"] = True
+        starts = [int(n) for n in self.cache.lengths[:b]]
         t0 = time.perf_counter()
         try:
             if needed:
@@ -226,8 +231,9 @@ class BatchEngine:
                 logits = out.logits[0].cpu()
                 logits = logits if logits.dtype == torch.float64 else logits.float()
             else:  # every row is in a single-token state: only the keys are needed
-                self.target.base_model(**inputs)
+                out = self.target.base_model(**inputs)
                 logits = None
+            hidden = out.hidden_states if any(reads.values()) else None
         finally:
             self.cache.packing = None
         seconds = time.perf_counter() - t0
@@ -249,6 +255,11 @@ class BatchEngine:
                 req.error = e
                 continue
             self.cache.keep(i, len(p.tokens) - dropped)
+            if hidden is not None and reads[i]:
+                at = packing.starts[i]
+                feats = torch.cat([hidden[t][0, at : at + len(p.tokens)] for t in reads[i]], dim=-1).cpu()
+                req.decoder.observe_features(starts[i], p, feats if feats.dtype == torch.float64 else feats.float(),
+                                             dropped)
             self._emit(req, emitted)
 
     def _budget(self, live: list[tuple[int, StepPlan]]) -> list[tuple[int, StepPlan]]:

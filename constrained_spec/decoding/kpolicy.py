@@ -27,9 +27,12 @@ from .linefit import LineSums
 #: independent along a span (a copied value is usually right or wrong at its first token),
 #: and one alpha per kind would make long spans look too risky to verify.
 PRIOR_ALPHA = {"grammar": 0.85, "grammar+": 0.95, "copy": 0.6, "copy+": 0.85, "lookup": 0.5, "lookup+": 0.75,
-               "model": 0.6, "model+": 0.6}
+               "model": 0.6, "model+": 0.6, "head": 0.6, "head+": 0.6}
 #: Prior cost of one extra verified token, as a fraction of a one-token forward (CPU, measured).
 PRIOR_C_VERIFY = 0.1
+#: Prior cost of one token of a learned head, as a fraction of a one-token forward, until the
+#: request has timed both (and always for a seeded sampled request, which uses no timings).
+PRIOR_C_HEAD = 0.15
 #: Default prior of the concave fit verify = t0 (1 + r log2(1 + K)) where no profile gives one
 #: (``profiles.verify_cost_prior``); recent requests' fits on the same model and precision
 #: replace it (``_RECENT_CURVE``, keyed by ``AdaptiveK.cost_key``).
@@ -59,6 +62,10 @@ class KPolicy(Protocol):
     def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float | None, draft_seconds: float) -> None:
         """Learn from the last step (``verify_seconds`` None: the pass also carried the prompt)."""
 
+    def draft_room(self, kinds: Sequence[str], kind: str, room: int, seconds_per_token: float) -> int:
+        """How many tokens (at most ``room``) a costly drafter of ``kind`` should add after a
+        proposal of ``kinds`` so far."""
+
 
 @dataclass
 class FixedK:
@@ -81,6 +88,10 @@ class FixedK:
 
     def update(self, kinds: Sequence[str], accepted: int, verify_seconds: float | None, draft_seconds: float) -> None:
         """Nothing to learn."""
+
+    def draft_room(self, kinds: Sequence[str], kind: str, room: int, seconds_per_token: float) -> int:
+        """All of it: the baseline drafts what it is allowed."""
+        return room
 
 
 def _concave(k: int) -> float:
@@ -163,6 +174,8 @@ class AdaptiveK:
 
     k_max: int
     costly_draft: bool = False
+    #: The kind whose acceptance a costly draft is estimated by ("model" or "head").
+    costly_kind: str = "model"
     deterministic: bool = False
     cost_prior: float = PRIOR_R_CURVE
     cost_key: str = ""
@@ -201,7 +214,7 @@ class AdaptiveK:
             # The formula's objective with the first and the continuing tokens' alphas; equal
             # to optimal_k(alpha, c, k_max) when the two estimates agree.
             c = self.c()
-            return self._best_prefix(["model"] * self.k_max, lambda j: c * j)
+            return self._best_prefix([self.costly_kind] * self.k_max, lambda j: c * j)
         return self.k_max
 
     def trim(self, kinds: Sequence[str]) -> int:
@@ -235,6 +248,30 @@ class AdaptiveK:
             p *= self.alpha(key)
             out.append(p)
         return out
+
+    def draft_room(self, kinds: Sequence[str], kind: str, room: int, seconds_per_token: float) -> int:
+        """Tokens of a costly ``kind`` (a learned head) worth drafting after ``kinds``: the
+        first-stop argmax of expected tokens per unit of step cost, where each of them costs its
+        verify share and its own drafting (``seconds_per_token`` over a one-token pass, the
+        prior ``PRIOR_C_HEAD`` until both are timed). Decided before any of them is drawn, so
+        the output law is untouched; a draft that does not pay is not drafted."""
+        t0 = self._cost.one_token_seconds()
+        c = seconds_per_token / t0 if t0 > 0 and seconds_per_token > 0 and not self.deterministic else PRIOR_C_HEAD
+        r = self._curve.ratio()
+        base = len(kinds)
+        keys = alpha_keys([*kinds, *([kind] * room)])
+        survive, expected = 1.0, 1.0
+        for key in keys[:base]:
+            survive *= self.alpha(key)
+            expected += survive
+        value, keep = expected / (1 + r * _concave(base)), 0
+        for j, key in enumerate(keys[base:], start=1):
+            survive *= self.alpha(key)
+            nxt = (expected + survive) / (1 + r * _concave(base + j) + c * j)
+            if nxt <= value + 1e-12:
+                break
+            expected, value, keep = expected + survive, nxt, j
+        return keep
 
     def _best_prefix(self, kinds: Sequence[str], extra: Callable[[int], float]) -> int:
         """First-stop argmax over j of (1 + sum_{i<=j} prod_{m<=i} alpha_m) / (1 + extra(j)),

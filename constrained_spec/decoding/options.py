@@ -19,7 +19,7 @@ from ..errors import InvalidOptionError
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .profiles import K_MAX_PROFILES, k_max_for, verify_cost_prior
 
-DrafterName = Literal["none", "model", "lookup", "grammar", "hybrid", "auto"]
+DrafterName = Literal["none", "model", "head", "lookup", "grammar", "hybrid", "auto"]
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,11 @@ class SpecOptions:
     """Decoding and constraint options of one request (or of every request of a run).
 
     Attributes:
-        drafter: "none" (target-only), "model" (a draft LM; needs ``draft=``), "lookup" (prompt
-            lookup), "grammar" (text the constraint forces), "hybrid" (forced text, then a copy
-            from the prompt, then lookup, then the draft model when given), "auto" (= hybrid).
+        drafter: "none" (target-only), "model" (a draft LM; needs ``draft=``), "head" (a
+            learned draft head over the target's features; the shipped one or ``draft=DIR``),
+            "lookup" (prompt lookup), "grammar" (text the constraint forces), "hybrid" (forced
+            text, then a copy from the prompt, then lookup, then the head and the draft model
+            when there are: the model's shipped head unless ``draft=False``), "auto" (= hybrid).
         k_max: the most tokens verified per step; None: from the hardware / task profile.
         adaptive: choose K each step from online acceptance and cost estimates (else K = k_max).
         profile: hardware profile for K_max ("cpu", "a100-80gb", "h100-80gb", "h100-80gb-x8",
@@ -135,7 +137,8 @@ class SpecOptions:
             return FixedK(k_max)
         # A seeded sampled request must not depend on timings or on earlier requests.
         deterministic = self.seed is not None and self.temperature > 0
-        return AdaptiveK(k_max, costly_draft=self.drafter == "model", deterministic=deterministic,
+        return AdaptiveK(k_max, costly_draft=self.drafter in ("model", "head"),
+                         costly_kind=self.drafter if self.drafter in ("model", "head") else "model", deterministic=deterministic,
                          cost_prior=verify_cost_prior(profile, precision), cost_key=f"{model}:{precision}")
 
 

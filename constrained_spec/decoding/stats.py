@@ -54,6 +54,12 @@ class DecodeStats:
     #: Per drafter kind: drafted, accepted, and supplied (output tokens it provided; the
     #: target supplies every recovered or bonus token, under the kind "target").
     per_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Per drafter kind: [examined, accepted] at each position of a run of that kind's tokens
+    #: (0: a run's first token; examined: every token before it in the draft was accepted),
+    #: for the acceptance per draft position.
+    per_position: dict[str, list[list[int]]] = field(default_factory=dict)
+    #: Per drafter kind that times itself (a learned head): seconds spent drafting.
+    draft_seconds_by_kind: dict[str, float] = field(default_factory=dict)
 
     def count_kind(self, kind: str, drafted: int = 0, accepted: int = 0) -> None:
         """Add to one kind's counters (accepted tokens are also supplied tokens)."""
@@ -61,6 +67,14 @@ class DecodeStats:
         row["drafted"] += drafted
         row["accepted"] += accepted
         row["supplied"] += accepted
+
+    def count_position(self, kind: str, position: int, accepted: bool) -> None:
+        """Count one drafted token at ``position`` of a run of ``kind``."""
+        rows = self.per_position.setdefault(kind, [])
+        while len(rows) <= position:
+            rows.append([0, 0])
+        rows[position][0] += 1
+        rows[position][1] += int(accepted)
 
     def finish(self) -> None:
         """Fill the derived ratios."""

@@ -13,11 +13,15 @@ minus EOS (the target still emits EOS as a recovered or bonus token). Determinis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..constraint import Matcher, State
+
+
+#: ``budget(kinds so far, kind, room, seconds per token) -> tokens of that kind worth drafting``.
+DraftBudget = Callable[[Sequence[str], str, int, float], int]
 
 
 @dataclass
@@ -72,6 +76,17 @@ class Drafter:
 
     def set_generator(self, generator: torch.Generator | None) -> None:
         """The random source of the request (from ``seed=``), shared with the verifier."""
+
+    #: Measured seconds per drafted token of a drafter that pays per token (0: free or unknown).
+    seconds_per_token: float = 0.0
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent drafting, per kind, for drafters that time themselves."""
+        return {}
+
+    def set_draft_budget(self, budget: "DraftBudget | None") -> None:
+        """The K policy's rule for how many tokens of a costly kind are worth drafting (a
+        composite drafter asks it before its learned part drafts)."""
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -9,24 +9,27 @@ from ..errors import InvalidOptionError
 from .base import Drafter
 from .copy import CopyDrafter
 from .grammar import GrammarDrafter
+from .head import HeadDrafter
 from .hybrid import HybridDrafter
 from .lookup import LookupDrafter, structural_tokens
 from .model import ModelDrafter
 
 #: Drafter names a request may ask for; "auto" means "hybrid".
-DRAFTER_NAMES: tuple[str, ...] = ("none", "model", "lookup", "grammar", "hybrid", "auto")
+DRAFTER_NAMES: tuple[str, ...] = ("none", "model", "head", "lookup", "grammar", "hybrid", "auto")
 
 
-def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: Any = None,
+def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: Any = None, head: Any = None,
                   temperature: float = 0.0, source_text: str | None = None) -> Drafter | None:
     """The drafter called ``name`` for one request (None for "none").
 
     Args:
         name: one of ``DRAFTER_NAMES`` ("auto" is "hybrid": forced text, then a copy from the
-            prompt, then lookup, then ``draft_model`` when one is given).
+            prompt, then lookup, then the learned ``head`` and ``draft_model`` when given).
         matcher: the request's matcher; every part walks it.
         tokenizer: the target's Hugging Face tokenizer (to tokenize forced and copied text).
         draft_model: a causal LM with the same tokenizer, for "model" (required) and "hybrid".
+        head: a ``DraftHead`` for the target, for "head" (required) and "hybrid" (None or
+            False: none).
         temperature: the draft model's sampling temperature (0: its argmax, q one-hot).
         source_text: the text a copy drafter copies from (the user's prompt, not the chat template).
     """
@@ -41,6 +44,12 @@ def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: A
         if model is None:
             raise InvalidOptionError("Invalid drafter: 'model' needs a draft model; pass draft=... or use drafter='hybrid'.")
         return model
+    head_drafter = HeadDrafter(head, matcher, temperature=temperature) if head not in (None, False) else None
+    if name == "head":
+        if head_drafter is None:
+            raise InvalidOptionError("Invalid drafter: 'head' needs a draft head; pass draft=DIR (from "
+                                     "constrained-spec train-drafter) or use drafter='auto'.")
+        return head_drafter
     if name == "lookup":
         return LookupDrafter(matcher)
     tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -48,9 +57,14 @@ def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: A
     if name == "grammar":
         return grammar
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-    parts: list[Drafter] = [
+    # Free drafts first (forced text, a copy from the prompt); then the head, which reads the
+    # target and is drafted only while its measured acceptance pays for its cost (the K
+    # policy's draft_room); lookup where the head does not draft; a draft model last.
+    parts: list[Drafter | None] = [
         grammar,
         CopyDrafter(matcher, tokenize, decode, source=source_text),
+        head_drafter,
         LookupDrafter(matcher, ignore=structural_tokens(vocabulary_of(tokenizer))),
+        model,
     ]
-    return HybridDrafter(parts + ([model] if model is not None else []))
+    return HybridDrafter([p for p in parts if p is not None])

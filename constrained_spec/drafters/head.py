@@ -26,6 +26,8 @@ prefix cache) have none, so the head's context starts after them, as in training
 from __future__ import annotations
 
 import json
+import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,6 +43,10 @@ from .base import Draft, Drafter, draw_masked
 
 CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+SCALE_SUFFIX = ".int8_scale"
+#: Heads shipped in the package, one directory each (found by their tokenizer and shape).
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "heads"
 
 
 def default_taps(num_layers: int) -> tuple[int, int, int]:
@@ -124,6 +130,12 @@ class DraftHead(nn.Module):
         ``next_tokens`` ``[B, T]``, ``positions`` ``[B, T]`` (absolute) -> (hidden ``[B, T, d]``,
         logits over ``V_d`` ``[B, T, |V_d|]``). Attends causally over ``cache`` and the T
         inputs; appends them to ``cache``."""
+        h = self.hidden(g, next_tokens, positions, cache)
+        return h, self.logits(h)
+
+    def hidden(self, g: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+               cache: DynamicCache | None = None) -> torch.Tensor:
+        """The decoder layer's output ``[B, T, d]`` (``forward`` without the projection)."""
         u = self.proj(torch.cat([g, self.embed(next_tokens)], dim=-1))
         t = u.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
@@ -134,22 +146,37 @@ class DraftHead(nn.Module):
         cos_sin = self.rotary(u, positions)
         out = self.layer(u, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
                          position_embeddings=cos_sin)
-        h = out[0] if isinstance(out, tuple) else out
-        return h, self.lm_head(self.norm(h))
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over ``V_d`` of hidden states ``[..., d]``."""
+        return self.lm_head(self.norm(h))
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., taps * d]`` target features -> ``g`` ``[..., d]``."""
         return self.fc(features.to(self.fc.weight.dtype))
 
     # -- saving and loading -------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
-        """Write the config and the weights (safetensors) to ``directory``; returns it."""
+    def save(self, directory: str | Path, *, weights: str = "float32") -> Path:
+        """Write the config and the weights (safetensors) to ``directory``; returns it.
+        ``weights``: "float32", "bfloat16" or "int8" (each matrix row scaled to int8: a
+        quarter of the bytes; loaded back to float32, see ``load_head``)."""
         from safetensors.torch import save_file
 
+        if weights not in WEIGHT_FORMATS:
+            raise InvalidOptionError(f"Invalid weights: expected one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}.")
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=1) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config) | {"weights": weights}, indent=1) + "\n")
+        state: dict[str, torch.Tensor] = {}
+        for k, v in self.state_dict().items():
+            v = v.detach().float().contiguous().cpu()
+            if weights == "int8" and v.dim() == 2:
+                scale = (v.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+                state[k] = (v / scale).round().clamp(-127, 127).to(torch.int8)
+                state[k + SCALE_SUFFIX] = scale
+            else:
+                state[k] = v.to(torch.bfloat16) if weights == "bfloat16" and v.dim() == 2 else v
         save_file(state, str(out / WEIGHTS_FILE))
         return out
 
@@ -165,6 +192,7 @@ def load_head(directory: str | Path, target: Any, tokenizer_fingerprint: str) ->
         raise ModelLoadError(f"Invalid draft head {str(path)!r}: expected {CONFIG_FILE} and {WEIGHTS_FILE} there "
                              "(train one with constrained-spec train-drafter).")
     raw = json.loads((path / CONFIG_FILE).read_text())
+    raw.pop("weights", None)
     raw["taps"], raw["draft_vocab"] = tuple(raw["taps"]), tuple(raw["draft_vocab"])
     config = HeadConfig(**raw)
     if config.tokenizer_fingerprint != tokenizer_fingerprint:
@@ -176,9 +204,50 @@ def load_head(directory: str | Path, target: Any, tokenizer_fingerprint: str) ->
         raise ModelLoadError(f"Invalid draft head {str(path)!r}: shaped for a model of hidden size "
                              f"{config.hidden_size} and {max(config.taps)}+ layers, not this target.")
     head = DraftHead(config, target.get_input_embeddings())
-    head.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+    stored = load_file(str(path / WEIGHTS_FILE))
+    state = {k: (v.float() * stored[k + SCALE_SUFFIX] if k + SCALE_SUFFIX in stored else v.float())
+             for k, v in stored.items() if not k.endswith(SCALE_SUFFIX)}
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as e:
+        raise ModelLoadError(f"Invalid draft head {str(path)!r}: its weights do not fit its config ({e}).") from None
     dtype = target.get_input_embeddings().weight.dtype
     return head.to(torch.float64 if dtype == torch.float64 else torch.float32).eval()
+
+
+def shipped_head_dir(target: Any, tokenizer_fingerprint: str) -> Path | None:
+    """The directory of a head shipped in the package for this target (same tokenizer, hidden
+    size and depth), or None."""
+    for config in sorted(SHIPPED_DIR.glob(f"*/{CONFIG_FILE}")):
+        try:
+            raw = json.loads(config.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if (raw.get("tokenizer_fingerprint") == tokenizer_fingerprint and raw.get("hidden_size") == target.config.hidden_size
+                and max(raw.get("taps", [10**9])) <= target.config.num_hidden_layers):
+            return config.parent
+    return None
+
+
+_LOADED: "weakref.WeakKeyDictionary[Any, dict[str, DraftHead]]" = weakref.WeakKeyDictionary()
+
+
+def head_for(target: Any, tokenizer_fingerprint: str, directory: str | Path | None = None) -> DraftHead | None:
+    """The head in ``directory`` (or the shipped one for ``target`` when None; None if there
+    is none), loaded once per target."""
+    path = Path(directory) if directory is not None else shipped_head_dir(target, tokenizer_fingerprint)
+    if path is None:
+        return None
+    loaded = _LOADED.setdefault(target, {})
+    key = str(path.resolve())
+    if key not in loaded:
+        loaded[key] = load_head(path, target, tokenizer_fingerprint)
+    return loaded[key]
+
+
+def is_head_dir(value: Any) -> bool:
+    """Whether ``value`` names a directory holding a saved head."""
+    return isinstance(value, (str, Path)) and (Path(value) / CONFIG_FILE).is_file()
 
 
 class HeadDrafter(Drafter):
@@ -200,17 +269,26 @@ class HeadDrafter(Drafter):
         self.temperature = temperature
         self.generator = generator
         self.taps = head.config.taps
+        self.seconds = 0.0
         #: The law's size: the target's logits (the matcher's vocabulary may be shorter: padding rows).
         self.size = max(head._embed[0].num_embeddings, matcher.vocab.size)
         self._in_vocab = torch.zeros(self.size, dtype=torch.bool)
         self._in_vocab[head.vocab_ids[head.vocab_ids < self.size]] = True
         self._in_vocab[matcher.eos_token_id] = False
+        ids = head.vocab_ids
+        #: Per entry of V_d: a token this drafter may propose at all (in range, not EOS).
+        self._vd_ok = torch.zeros(len(ids), dtype=torch.bool)
+        self._vd_ok[ids < self.size] = self._in_vocab[ids[ids < self.size]]
         self.reset([])
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target ``hidden_states`` indices the decoder must hand to ``observe``."""
         return self.taps
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent proposing (feeding the head and rolling it forward)."""
+        return {self.name: self.seconds}
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Forget the previous request: no features, an empty head cache."""
@@ -239,12 +317,16 @@ class HeadDrafter(Drafter):
         if keep > len(self.tokens):  # a gap (positions never seen): start afresh here
             self.reset([])
             self.start, keep = start, 0
+        self._keep(keep)
+        self.tokens.extend(int(t) for t in tokens)
+        self.g.extend(self.head.project_features(features).unbind(0))
+
+    def _keep(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens with features (and the pairs still valid)."""
         # Pairs (g_t, x_{t+1}) stay valid while x_{t+1} does: those with t + 1 < keep.
         self._crop(min(self.fed, max(0, keep - 1)))
         del self.tokens[keep:]
         del self.g[keep:]
-        self.tokens.extend(int(t) for t in tokens)
-        self.g.extend(self.head.project_features(features).unbind(0))
 
     def _crop(self, pairs: int) -> None:
         if pairs < self.fed:
@@ -273,6 +355,20 @@ class HeadDrafter(Drafter):
         self.fed = n
         return h[0, -1], logits[0, -1]
 
+    def _draw(self, logits: torch.Tensor, state: State) -> tuple[int, torch.Tensor | None] | None:
+        """One draft token from ``M ∩ V_d`` (and its q row when sampling); None when that set is
+        empty. Greedy drafts stay on ``V_d`` (a few thousand entries), never the whole vocabulary."""
+        if self.temperature > 0:
+            masked = self._masked(logits, state)
+            return None if masked is None else draw_masked(masked, self.temperature, self.generator)
+        mask = self.matcher.allowed_mask(state)
+        ids = self.head.vocab_ids
+        allowed = self._vd_ok & (ids < mask.shape[0])
+        allowed[allowed.clone()] = mask[ids[allowed]]
+        if not bool(allowed.any()):
+            return None
+        return int(ids[logits.masked_fill(~allowed, float("-inf")).argmax()]), None
+
     def _masked(self, logits: torch.Tensor, state: State) -> torch.Tensor | None:
         """The head's logits over the full vocabulary with everything outside
         ``M ∩ V_d`` (and EOS) at -inf; None when nothing is left."""
@@ -294,20 +390,39 @@ class HeadDrafter(Drafter):
         """Up to ``k`` tokens from the head, masked by the matcher along the path and by ``V_d``."""
         if k <= 0:
             return self.empty(state)
-        at = self._sync(context[-1])
-        if at is None:
+        t0 = time.perf_counter()
+        draft = self._propose(context, state, k)
+        spent = time.perf_counter() - t0
+        self.seconds += spent
+        if draft.tokens:  # what the K policy weighs this drafter's tokens by (a moving average)
+            per = spent / len(draft.tokens)
+            self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
+        return draft
+
+    def _propose(self, context: list[int], state: State, k: int) -> Draft:
+        if self.start is None or not self.tokens:
             return self.empty(state)
-        h, logits = at
+        if self.start + len(self.tokens) >= len(context):  # fed past the context: a step cut at the token limit
+            self._keep(max(0, len(context) - 1 - self.start))
+            if not self.tokens:
+                return self.empty(state)
+        seen = self.start + len(self.tokens)  # positions with target features
+        h, logits = self._sync(context[seen])  # type: ignore[misc]
+        pos = seen
+        # Tokens another drafter proposed before this one in the same step (a hybrid draft):
+        # the head rolls over them on its own states, as over its own draft tokens.
+        for x in context[seen + 1 :]:
+            hh, ll = self.head(h[None, None], torch.tensor([[x]]), torch.tensor([[pos]]), self.cache)
+            h, logits, pos = hh[0, -1], ll[0, -1], pos + 1
         states, tokens, qs = [state], [], []
-        pos = self.start + len(self.tokens)  # type: ignore[operator]
         for i in range(k):
             s = states[-1]
             if self.matcher.is_done(s):
                 break
-            masked = self._masked(logits, s)
-            if masked is None:
+            drawn = self._draw(logits, s)
+            if drawn is None:
                 break
-            x, q = draw_masked(masked, self.temperature, self.generator)
+            x, q = drawn
             if q is not None:
                 qs.append(q)
             tokens.append(x)

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from ..constraint import Matcher, State
-from .base import Draft, Drafter
+from .base import Draft, Drafter, DraftBudget
 
 
 class HybridDrafter(Drafter):
@@ -29,6 +29,11 @@ class HybridDrafter(Drafter):
         self.parts = parts
         #: A draft model pays per token, so its share of one proposal is capped.
         self.max_model_tokens = max_model_tokens
+        self.budget: DraftBudget | None = None
+
+    def set_draft_budget(self, budget: DraftBudget | None) -> None:
+        """Ask ``budget`` how many tokens a learned part should draft after what the others did."""
+        self.budget = budget
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Reset every part."""
@@ -56,6 +61,14 @@ class HybridDrafter(Drafter):
             if part.feature_layers:
                 part.observe(start, tokens, features)
 
+    def timings(self) -> dict[str, float]:
+        """Every part's own drafting seconds, by kind."""
+        out: dict[str, float] = {}
+        for part in self.parts:
+            for kind, seconds in part.timings().items():
+                out[kind] = out.get(kind, 0.0) + seconds
+        return out
+
     def matchers(self) -> list[Matcher]:
         """The one matcher all parts walk."""
         return [self.matcher]
@@ -72,6 +85,10 @@ class HybridDrafter(Drafter):
                 room = k - len(tokens)
                 if part.name in ("model", "head"):
                     room = min(room, self.max_model_tokens)
+                    if self.budget is not None:
+                        room = self.budget(kinds, part.name, room, part.seconds_per_token)
+                    if room <= 0:
+                        continue
                 d = part.propose(context + tokens, states[-1], room)
                 if not d.tokens:
                     continue

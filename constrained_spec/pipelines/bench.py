@@ -18,6 +18,7 @@ import numpy as np
 from ..api import generate_json
 from ..constraint import JsonSchema, compile_constraint, load_schema, schema_to_regex
 from ..decoding import DecodeStats
+from ..errors import InvalidOptionError
 from ..models import ModelHandle, resolve_model
 from ..models.loading import DEFAULT_MODEL_NAME
 from .quality import field_accuracy
@@ -36,15 +37,23 @@ class BenchConfig:
     drafter: str
     k_max: int | None = None
     adaptive: bool = True
+    #: ``draft=`` of the request: None for the model's shipped head, False for no learned draft.
+    draft: Any = None
 
 
-def default_configs(fixed_ks: tuple[int, ...] = (4, 8, 12, 16, 20)) -> list[BenchConfig]:
-    """Target-only, each drafter alone, hybrid at fixed K values, and hybrid adaptive (the default)."""
+NO_HEAD_CONFIG = "auto, no head (draft=False)"
+
+
+def default_configs(fixed_ks: tuple[int, ...] = (4, 8, 12, 16, 20), *, head: bool = False) -> list[BenchConfig]:
+    """Target-only, each drafter alone, hybrid at fixed K values, and hybrid adaptive (the
+    default); with ``head`` (the model ships one) also the head alone and auto without it."""
     return [
         BenchConfig(BASELINE, "none"),
         BenchConfig("lookup", "lookup"),
         BenchConfig("grammar", "grammar"),
+        *([BenchConfig("head", "head")] if head else []),
         *[BenchConfig(f"hybrid, fixed K={k}", "hybrid", k, adaptive=False) for k in fixed_ks],
+        *([BenchConfig(NO_HEAD_CONFIG, "hybrid", draft=False)] if head else []),
         BenchConfig(DEFAULT_CONFIG, "hybrid"),
     ]
 
@@ -70,6 +79,8 @@ class ConfigFigures:
     #: Seconds of the passes that carried the prompts (the first step of each request).
     prompt_seconds: float = 0.0
     per_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    per_position: dict[str, list[list[int]]] = field(default_factory=dict)
+    draft_seconds_by_kind: dict[str, float] = field(default_factory=dict)
     outputs: list[Any] = field(default_factory=list)
     traces: list[DecodeStats] = field(default_factory=list)
 
@@ -102,6 +113,15 @@ class ConfigFigures:
             mine = self.per_kind.setdefault(kind, {"drafted": 0, "accepted": 0, "supplied": 0})
             for key in mine:
                 mine[key] += row[key]
+        for kind, rows in stats.per_position.items():
+            acc = self.per_position.setdefault(kind, [])
+            for j, (n, a) in enumerate(rows):
+                if j == len(acc):
+                    acc.append([0, 0])
+                acc[j][0] += n
+                acc[j][1] += a
+        for kind, seconds in stats.draft_seconds_by_kind.items():
+            self.draft_seconds_by_kind[kind] = self.draft_seconds_by_kind.get(kind, 0.0) + seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -130,6 +150,10 @@ class ConfigFigures:
             "constraint_ms_per_token_p50": _pct_ms(self.constraint_per_token, 0.5),
             "constraint_ms_per_token_p99": _pct_ms(self.constraint_per_token, 0.99),
             "constraint_share_of_step": round(self.constraint_seconds / self.step_seconds, 4) if self.step_seconds else None,
+            "head_acceptance_by_position": [round(a / n, 3) for n, a in self.per_position.get("head", []) if n][:6]
+            or None,
+            "head_ms_per_draft_token": round(1000 * self.draft_seconds_by_kind["head"] / kinds["head"]["drafted"], 2)
+            if "head" in kinds and self.draft_seconds_by_kind.get("head") else None,
             "identical_outputs": f"{self.identical}/{self.prompts}",
             "field_accuracy": f"{self.fields_right}/{self.fields_total}" if self.fields_total else None,
         }
@@ -138,6 +162,13 @@ class ConfigFigures:
 def _pct_ms(values: list[float], q: float) -> float | None:
     """The q-quantile of ``values`` (seconds) in milliseconds."""
     return round(1000 * float(np.quantile(values, q)), 3) if values else None
+
+
+def has_shipped_head(handle: ModelHandle) -> bool:
+    """Whether the package ships a draft head for this model."""
+    from ..drafters.head import shipped_head_dir
+
+    return shipped_head_dir(handle.model, handle.vocabulary.fingerprint) is not None
 
 
 def load_prompts(path: Path | str = DEFAULT_PROMPTS, limit: int | None = None) -> list[dict[str, Any]]:
@@ -215,6 +246,7 @@ def run_bench(
     llama_cpp: bool = True,
     limit: int | None = None,
     precisions: tuple[str, ...] | None = None,
+    workload: str = "extraction",
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run every configuration on every prompt (the first ``limit``); return the figures (see
@@ -239,8 +271,17 @@ def run_bench(
         handles = {h.precision: h}
     labels = list(handles)
     handle = handles[labels[0]]
-    items = load_prompts(prompts, limit)
-    configs = configs or default_configs()
+    if workload == "generation":  # held-out schemas (Glaiveai2K): never seen by a trained head
+        from .drafter_data import generation_workload
+
+        items = generation_workload(limit=limit or 20)
+        if not items:
+            raise InvalidOptionError("Invalid workload: no Glaiveai2K schemas found (set $CONSTRAINED_SPEC_SCHEMA_DATA).")
+    elif workload == "extraction":
+        items = load_prompts(prompts, limit)
+    else:
+        raise InvalidOptionError(f"Invalid workload: expected 'extraction' or 'generation', got {workload!r}.")
+    configs = configs or default_configs(head=has_shipped_head(handle))
 
     def label(precision: str, config: BenchConfig) -> str:
         return config.name if len(labels) == 1 else f"{precision}: {config.name}"
@@ -269,8 +310,8 @@ def run_bench(
         for precision, config in runs_order[shift:] + runs_order[:shift]:
             t0 = time.perf_counter()
             value, stats = generate_json(handles[precision], schema, item["prompt"], drafter=config.drafter,  # type: ignore[arg-type]
-                                         k_max=config.k_max, adaptive=config.adaptive, profile=profile,
-                                         max_new_tokens=max_new_tokens, return_stats=True)
+                                         draft=config.draft, k_max=config.k_max, adaptive=config.adaptive,
+                                         profile=profile, max_new_tokens=max_new_tokens, return_stats=True)
             runs[label(precision, config)] = (stats, time.perf_counter() - t0, value)
             profile_used = stats.profile
         expected = item.get("expected")
@@ -297,6 +338,12 @@ def run_bench(
             progress(i + 1, len(items))
     baseline = figures[label(labels[0], configs[0])]
     rows = [f.summary(baseline) for f in figures.values()]
+    # A one-token target step (target-only, after each prompt's pass): what a head token's cost is weighed against.
+    steps = [t for st in baseline.traces for t in st.step_seconds[1:]]
+    one_step_ms = 1000 * float(np.median(steps)) if steps else None
+    for row in rows:
+        ms = row.get("head_ms_per_draft_token")
+        row["head_cost_vs_target_step"] = round(ms / one_step_ms, 3) if ms and one_step_ms else None
     rows += [row.summary(baseline) for _, row in references.values()]
     default = figures.get(label(labels[-1], configs[-1])) or list(figures.values())[-1]
     return {
@@ -305,6 +352,8 @@ def run_bench(
         "precision": ", ".join(labels),
         "profile": profile_used,
         "prompts": len(items),
+        "workload": workload,
+        "one_token_target_step_ms": round(one_step_ms, 2) if one_step_ms else None,
         "max_new_tokens": max_new_tokens,
         "rows": rows,
         "outputs": {item["id"]: default.outputs[j] for j, item in enumerate(items)},

@@ -159,7 +159,7 @@ def extract(
         yield from _extract_remote(loaded, prompts, server, api_key, batch_size, opts)
         return
     handle = resolve_model(model)
-    draft_handle = resolve_model(draft, role="draft") if draft is not None else None
+    draft_source = resolve_draft(draft, handle, opts)
     # The template's text before the document is every prompt's shared prefix: computed once,
     # then reused from the prefix cache (decoding.prefix).
     seam = "\x00document\x00"
@@ -167,13 +167,13 @@ def extract(
     if engine is not None and engine.target is not handle.model:
         raise InvalidOptionError("Invalid engine: it runs another model than the one given.")
     if batch_size > 1 or engine is not None:
-        yield from _extract_batched(loaded, prompts, handle, resolve_draft(draft_handle, handle, opts), opts, shared,
+        yield from _extract_batched(loaded, prompts, handle, draft_source, opts, shared,
                                     engine or BatchEngine(handle.model, max_batch=batch_size, precision=handle.precision,
                                                           profile=opts.profile, prefix_cache=opts.prefix_cache))
         return
     for doc_id, prompt in prompts:
         try:
-            value, stats = generate_json(handle, loaded, prompt, draft=draft_handle, options=opts, return_stats=True,
+            value, stats = generate_json(handle, loaded, prompt, draft=draft_source or False, options=opts, return_stats=True,
                                          shared_prefix=shared)
         except InvalidSchemaError:
             raise
@@ -183,7 +183,7 @@ def extract(
         yield ExtractionResult(doc_id, value=value, stats=_brief(stats), decode_stats=stats)
 
 
-def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, draft_handle: Any,
+def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, draft: Any,
                      opts: SpecOptions, shared: str | None, engine: BatchEngine) -> Iterator[ExtractionResult]:
     """Every document through ``engine``, ``max_batch`` rows at once; documents are read as
     slots free up (at most ``max_batch`` wait), results come out in input order."""
@@ -201,7 +201,7 @@ def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], han
                 break
             doc_id, prompt = item
             try:
-                parts = prepare_request(handle, draft_handle, compiled, prompt, opts, "json", shared)
+                parts = prepare_request(handle, draft, compiled, prompt, opts, "json", shared)
             except ConstrainedSpecError as e:
                 order.append((doc_id, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
                 continue

@@ -3,21 +3,28 @@
 On-policy distillation, in three stages:
 
 1. The target decodes every training item (a prompt with a schema or a pattern) under its
-   constraint, target-only: greedily, and sampled (``sampled`` more per item), so the head
-   learns what the target writes under the masks it will draft with.
-2. One forward per sequence gives the target's features at every position (the head's taps)
-   and its masked law at the output positions the grammar does not force (a state allowing one
-   token needs no draft); the draft vocabulary ``V_d`` is the ``draft_vocab`` tokens the
-   outputs use most.
+   constraint: greedily, and sampled (``sampled`` more per item), so the head learns what the
+   target writes under the masks it will draft with. The decoding is speculative with the
+   model-free drafters (exact: greedy output is target-only output, sampled output follows the
+   target's law), and the verify forwards hand their hidden states to a ``FeatureRecorder``:
+   the features the head reads and the final hidden state come from the decode itself, with no
+   second pass over the target (a 400-token prompt costs seconds at native precision here).
+2. At the output positions the grammar does not force (a state allowing one token needs no
+   draft) the target's masked law over the draft vocabulary ``V_d`` (its logits from the final
+   hidden state, renormalized on ``M ∩ V_d``); ``V_d`` is the ``draft_vocab`` tokens the
+   outputs use most, with the grammar's structural tokens always in.
 3. The head is trained on those positions to match the target's masked law restricted to
    ``V_d`` (cross-entropy against it: the KL up to a constant), teacher-forced at the first
    draft position and, as in EAGLE-3's training-time test, unrolled ``unroll`` steps on its own
    hidden states. A held-out share of the sequences measures first-token agreement (the
-   greedy acceptance of the head's first draft token); the best checkpoint is kept.
+   greedy acceptance of the head's first draft token); the best head is saved, and a
+   checkpoint (head, optimizer, step, the decoded outputs) lets an interrupted run resume.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import time
@@ -28,17 +35,67 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..constraint import CompiledConstraint, vocabulary_of
-from ..decoding import decode
-from ..drafters.head import DraftHead, HeadConfig
+from ..constraint import CompiledConstraint, Matcher, State, vocabulary_of
+from ..decoding import FixedK, SpeculativeDecoder
+from ..drafters.base import Draft, Drafter
+from ..drafters.head import DraftHead, HeadConfig, default_taps
 from ..errors import InvalidOptionError
+
+CHECKPOINT_FILE = "checkpoint.pt"
+OUTPUTS_FILE = "outputs.pt"
+
+
+class FeatureRecorder(Drafter):
+    """A drafter that drafts nothing and keeps the target's features of every position fed
+    (rolled-back positions are overwritten by what is fed there next)."""
+
+    name = "recorder"
+
+    def __init__(self, matcher: Matcher, layers: Sequence[int]) -> None:
+        super().__init__(matcher)
+        self.layers = tuple(layers)
+        self.rows: dict[int, torch.Tensor] = {}
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.layers
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.rows = {}
+
+    def propose(self, context: list[int], state: State, k: int) -> Draft:
+        return self.empty(state)
+
+    def observe(self, start: int, tokens: Sequence[int], features: torch.Tensor) -> None:
+        for i, row in enumerate(features.float().unbind(0)):
+            self.rows[start + i] = row
+
+    def features(self, length: int) -> torch.Tensor | None:
+        """``[length, layers * d]`` for positions ``0..length-1``; None if any was never fed."""
+        if any(i not in self.rows for i in range(length)):
+            return None
+        return torch.stack([self.rows[i] for i in range(length)])
+
+
+@dataclass
+class DecodedOutput:
+    """One output of stage 1: its prompt and tokens, the constraint, and the target's features
+    at positions ``0..T-2`` (the taps, concatenated) and its final hidden state at the output's
+    predicting positions ``len(prompt)-1 .. T-2``."""
+
+    item: int
+    prompt: list[int]
+    tokens: list[int]
+    compiled: CompiledConstraint
+    features: torch.Tensor
+    final: torch.Tensor
 
 
 @dataclass
 class TrainingSequence:
-    """One decoded training sequence: all ids, the target's features at every position
-    ``[T, taps * d]``, and at each unforced output position ``t`` (``rows``: the logits at ``t``
-    predict ``ids[t + 1]``, which the grammar does not force) the target's masked law over
+    """One training sequence: all ids, the target's features at every position
+    ``[T - 1, taps * d]``, and at each unforced output position ``t`` (``rows``: the logits at
+    ``t`` predict ``ids[t + 1]``, which the grammar does not force) the target's masked law over
     ``V_d`` (``p`` ``[n, |V_d|]``, renormalized on ``M ∩ V_d``) and ``allowed = M ∩ V_d``."""
 
     ids: list[int]
@@ -50,8 +107,22 @@ class TrainingSequence:
 
 
 @dataclass
+class TrainProgress:
+    """Where a run is: the phase ("decode" or "train"), done of total, and in training the
+    recent loss and the held-out first-token agreement (latest and best)."""
+
+    phase: str
+    done: int
+    total: int
+    loss: float | None = None
+    agreement: float | None = None
+    best: float | None = None
+
+
+@dataclass
 class TrainReport:
-    """What training did: sequences, steps, seconds, the held-out first-token agreement."""
+    """What training did: sequences, steps, seconds (decode and train), the held-out
+    first-token agreement of the saved head."""
 
     sequences: int
     held_out: int
@@ -59,65 +130,99 @@ class TrainReport:
     seconds: float
     draft_vocab: int
     best_agreement: float
+    decode_seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
+
+
+def _tap_layers(target: Any) -> tuple[tuple[int, ...], int]:
+    n = target.config.num_hidden_layers
+    return default_taps(n), n
 
 
 @torch.no_grad()
 def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstraint]], *, sampled: int = 1,
-                   temperature: float = 0.8, max_new_tokens: int = 128, seed: int = 0
-                   ) -> list[tuple[list[int], list[int], CompiledConstraint]]:
+                   temperature: float = 0.8, max_new_tokens: int = 128, seed: int = 0,
+                   drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
+                   progress: Callable[[TrainProgress], None] | None = None) -> list[DecodedOutput]:
     """Stage 1: each item decoded by the target under its constraint, greedily and ``sampled``
-    more times; (prompt, output, constraint) for every output of two tokens or more."""
+    more times, recording the target's features on the way. ``drafter_for(i, matcher)``: the
+    model-free drafter item ``i`` decodes with (None: target-only); it changes the speed, never
+    the law. Outputs of fewer than two tokens are dropped."""
+    from ..drafters.hybrid import HybridDrafter
+
+    taps, final = _tap_layers(target)
     out = []
     for i, (prompt, compiled) in enumerate(items):
-        runs = [dict(temperature=0.0)] + [dict(temperature=temperature, seed=seed * 1000 + i * 10 + j)
-                                          for j in range(sampled)]
-        for options in runs:
-            res = decode(target, compiled.matcher(), prompt, max_new_tokens=max_new_tokens, **options)
-            if len(res.tokens) >= 2:
-                out.append((prompt, res.tokens, compiled))
+        runs = [(0.0, None)] + [(temperature, seed * 1000 + i * 10 + j) for j in range(sampled)]
+        for temp, run_seed in runs:
+            matcher = compiled.matcher()
+            recorder = FeatureRecorder(matcher, (*taps, final))
+            other = drafter_for(i, matcher) if drafter_for is not None else None
+            drafter = HybridDrafter([other, recorder]) if other is not None else recorder
+            k_policy = None if other is not None else FixedK(0)
+            dec = SpeculativeDecoder(target, matcher, prompt, drafter=drafter, k_policy=k_policy, temperature=temp,
+                                     seed=run_seed, max_new_tokens=max_new_tokens)
+            for _ in dec.run():
+                pass
+            tokens = dec.output
+            T = len(prompt) + len(tokens)
+            feats = recorder.features(T - 1) if len(tokens) >= 2 else None
+            if feats is not None:
+                d = target.config.hidden_size
+                out.append(DecodedOutput(i, prompt, list(tokens), compiled, feats[:, : len(taps) * d].clone(),
+                                         feats[len(prompt) - 1 :, len(taps) * d :].clone()))
+        if progress:
+            progress(TrainProgress("decode", i + 1, len(items)))
     return out
 
 
-def draft_vocabulary(outputs: Sequence[tuple[list[int], list[int], Any]], size: int, eos: int) -> list[int]:
-    """The ``size`` tokens the outputs use most (EOS never: a draft does not end the text)."""
-    counts = Counter(tok for _, tokens, _ in outputs for tok in tokens if tok != eos)
-    return sorted(t for t, _ in counts.most_common(size))
+def draft_vocabulary(outputs: Sequence[DecodedOutput], size: int, eos: int, always: Sequence[int] = ()) -> list[int]:
+    """``always`` (the grammar's structural tokens, say), then the tokens the outputs use most,
+    ``size`` in all (EOS never: a draft does not end the text)."""
+    chosen = [t for t in dict.fromkeys(always) if t != eos][:size]
+    taken = set(chosen)
+    counts = Counter(tok for o in outputs for tok in o.tokens if tok != eos and tok not in taken)
+    chosen += [t for t, _ in counts.most_common(max(0, size - len(chosen)))]
+    return sorted(chosen)
 
 
 @torch.no_grad()
-def featurize(target: Any, outputs: Sequence[tuple[list[int], list[int], CompiledConstraint]],
-              draft_vocab: Sequence[int], taps: Sequence[int]) -> list[TrainingSequence]:
-    """Stage 2: one target forward per sequence -> features and the masked laws over ``V_d``."""
+def featurize(target: Any, outputs: Sequence[DecodedOutput], draft_vocab: Sequence[int]) -> list[TrainingSequence]:
+    """Stage 2: the masked laws over ``V_d`` at the unforced output positions (the target's
+    logits from its recorded final hidden state, no second forward)."""
     vd = torch.tensor(list(draft_vocab), dtype=torch.long)
+    lm_head = target.get_output_embeddings()
     seqs = []
-    for prompt, tokens, compiled in outputs:
-        ids = prompt + tokens
-        fwd = target(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        feats = torch.cat([fwd.hidden_states[t][0] for t in taps], dim=-1).float()
-        logits = fwd.logits[0].double()
-        walker = compiled.matcher()
+    for o in outputs:
+        walker = o.compiled.matcher()
         state = walker.state
-        rows, ps, alloweds = [], [], []
-        for j, tok in enumerate(tokens):
-            t = len(prompt) - 1 + j
+        rows, alloweds = [], []
+        for j, tok in enumerate(o.tokens):  # token j's law is at position len(prompt) - 1 + j
             mask = walker.allowed_mask(state)
             if int(mask.sum()) > 1:
-                full = torch.zeros(logits.shape[-1], dtype=torch.bool)
+                full = torch.zeros(max(mask.shape[0], int(vd.max()) + 1), dtype=torch.bool)
                 full[: mask.shape[0]] = mask
                 allowed = full[vd]
                 if bool(allowed.any()):
-                    row = logits[t][vd].masked_fill(~allowed, float("-inf"))
-                    rows.append(t)
-                    ps.append(row.softmax(-1).float())
+                    rows.append(j)
                     alloweds.append(allowed)
             state = walker.next_state(state, tok)  # type: ignore[assignment]
             if state is None:
                 break
-        if rows:
-            seqs.append(TrainingSequence(ids, len(prompt), feats, torch.tensor(rows), torch.stack(ps),
-                                         torch.stack(alloweds)))
+        if not rows:
+            continue
+        h = o.final[torch.tensor(rows)].to(next(target.parameters()).dtype if _float_params(target) else torch.float32)
+        logits = lm_head(h).double()
+        allowed = torch.stack(alloweds)
+        p = logits[:, vd].masked_fill(~allowed, float("-inf")).softmax(-1).float()
+        seqs.append(TrainingSequence(o.prompt + o.tokens, len(o.prompt), o.features,
+                                     torch.tensor(rows) + len(o.prompt) - 1, p, allowed))
     return seqs
+
+
+def _float_params(target: Any) -> bool:
+    dtype = next(target.parameters()).dtype
+    return dtype.is_floating_point
 
 
 def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.Tensor, int, int]:
@@ -136,47 +241,99 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
     total = torch.zeros((), dtype=head.fc.weight.dtype)
     agree = 0
     for step in range(unroll):
-        h, logits = head(g, nxt, pos)
-        # In pass s > 0 a pair's input is the head's own state from pass s - 1, as at the
-        # (s + 1)-th token of a draft (EAGLE-3's training-time test).
-        ll = logits[0, r].float().masked_fill(~allowed, -1e30).log_softmax(-1)
+        h = head.hidden(g, nxt, pos)
+        # Only the rows with a loss go through the vocabulary projection.
+        ll = head.logits(h[0, r]).float().masked_fill(~allowed, -1e30).log_softmax(-1)
         total = total - (p * ll).sum()
         if step == 0:
             agree = int((ll.argmax(-1) == p.argmax(-1)).sum())
+        # In pass s > 0 a pair's input is the head's own state from pass s - 1, as at the
+        # (s + 1)-th token of a draft (EAGLE-3's training-time test).
         g = torch.cat([g[:, :1], h[:, :-1]], dim=1)
     return total, agree, int(r.numel())
+
+
+def _init_lm_head(head: DraftHead, target: Any) -> None:
+    """Start the head's projection from the target's output rows of ``V_d`` (its final hidden
+    state is trained to play the target's, so those rows are the right start)."""
+    out = target.get_output_embeddings()
+    weight = getattr(out, "weight", None)
+    if weight is None or not weight.dtype.is_floating_point or weight.shape[-1] != head.config.hidden_size:
+        weight = target.get_input_embeddings().weight  # a tied model's output rows
+    with torch.no_grad():
+        head.lm_head.weight.copy_(weight[head.vocab_ids].to(head.lm_head.weight.dtype))
+
+
+def _fingerprint(items: Sequence[tuple[list[int], Any]], options: dict[str, Any]) -> str:
+    h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    for prompt, _ in items:
+        h.update(json.dumps(prompt).encode())
+    return h.hexdigest()
 
 
 def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], CompiledConstraint]], out_dir: str | Path, *,
                draft_vocab: int = 8192, steps: int | None = None, minutes: float | None = None, sampled: int = 1,
                unroll: int = 2, lr: float = 3e-4, held_out: float = 0.1, max_new_tokens: int = 128, seed: int = 0,
-               name: str = "", progress: Callable[[str], None] | None = None) -> TrainReport:
+               name: str = "", always: Sequence[int] = (), eval_every: int | None = None, resume: bool = True,
+               drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
+               progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
     """Train a head for ``target`` on ``items`` and save the best one to ``out_dir`` (see the
     module docstring). Stops after ``steps`` optimizer steps or ``minutes`` of training,
-    whichever comes first (one of them is required)."""
+    whichever comes first (one of them is required). With ``resume``, a checkpoint in
+    ``out_dir`` from the same items and options is taken up where it stopped (the decoded
+    outputs too)."""
     if steps is None and minutes is None:
         raise InvalidOptionError("Invalid training budget: give steps or minutes.")
+    if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
+        raise InvalidOptionError(f"Invalid training budget: steps={steps!r}, minutes={minutes!r}; expected positive values.")
     if not items:
         raise InvalidOptionError("Invalid training data: expected at least one item.")
+    if draft_vocab < 1:
+        raise InvalidOptionError(f"Invalid draft_vocab: expected a positive size, got {draft_vocab!r}.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     vocab = vocabulary_of(tokenizer)
-    config0 = HeadConfig.for_target(target, vocab.fingerprint, [0], name=name)
+    fingerprint = _fingerprint(items, dict(draft_vocab=draft_vocab, sampled=sampled, max_new_tokens=max_new_tokens,
+                                           seed=seed, unroll=unroll, held_out=held_out))
     t0 = time.perf_counter()
-    outputs = decode_outputs(target, items, sampled=sampled, max_new_tokens=max_new_tokens, seed=seed)
-    vd = draft_vocabulary(outputs, draft_vocab, vocab.eos_token_id)
-    seqs = featurize(target, outputs, vd, config0.taps)
+    outputs_path = out / OUTPUTS_FILE
+    outputs: list[DecodedOutput] | None = None
+    if resume and outputs_path.is_file():
+        saved = torch.load(outputs_path, weights_only=False)
+        if saved.get("fingerprint") == fingerprint:
+            outputs = [DecodedOutput(i, items[i][0], toks, items[i][1], f, h) for i, toks, f, h in saved["outputs"]]
+    if outputs is None:
+        outputs = decode_outputs(target, items, sampled=sampled, max_new_tokens=max_new_tokens, seed=seed,
+                                 drafter_for=drafter_for, progress=progress)
+        torch.save({"fingerprint": fingerprint,
+                    "outputs": [(o.item, o.tokens, o.features, o.final) for o in outputs]}, outputs_path)
+    decode_seconds = time.perf_counter() - t0
+    vd = draft_vocabulary(outputs, draft_vocab, vocab.eos_token_id, always)
+    seqs = featurize(target, outputs, vd)
+    del outputs
     if not seqs:
         raise InvalidOptionError("Invalid training data: no item produced an output the grammar does not force.")
     config = HeadConfig.for_target(target, vocab.fingerprint, vd, name=name)
     head = DraftHead(config, target.get_input_embeddings()).float().train()
+    _init_lm_head(head, target)
     rng = random.Random(seed)
     order = list(range(len(seqs)))
     rng.shuffle(order)
-    n_held = max(1, int(len(seqs) * held_out)) if len(seqs) > 1 else 0
+    n_held = max(1, int(len(seqs) * held_out)) if len(seqs) > 1 and held_out > 0 else 0
     held, train = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]] or [seqs[order[0]]]
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
     best, losses, step = -1.0, [], 0
+    ckpt_path = out / CHECKPOINT_FILE
+    if resume and ckpt_path.is_file():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt.get("fingerprint") == fingerprint:
+            head.load_state_dict(ckpt["head"])
+            opt.load_state_dict(ckpt["optimizer"])
+            step, best, losses = ckpt["step"], ckpt["best"], ckpt["losses"]
+    eval_every = eval_every or max(1, min(len(train), 200))
     deadline = time.perf_counter() + 60 * minutes if minutes is not None else math.inf
+    t_train = time.perf_counter()
     while (steps is None or step < steps) and time.perf_counter() < deadline:
         seq = train[step % len(train)]
         loss, _, n = _losses(head, seq, unroll)
@@ -185,20 +342,25 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
             (loss / n).backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
-            losses.append(float(loss) / n)
+            losses.append(float(loss.detach()) / n)
         step += 1
-        if step % max(1, len(train)) == 0 or (steps is not None and step == steps):
+        last = (steps is not None and step == steps) or time.perf_counter() >= deadline
+        if step % eval_every == 0 or last:
             agreement = evaluate(head, held or train)
             if agreement > best:
                 best = agreement
-                head.save(out_dir)
+                head.save(out)
+            torch.save({"fingerprint": fingerprint, "head": head.state_dict(), "optimizer": opt.state_dict(),
+                        "step": step, "best": best, "losses": losses}, ckpt_path)
             if progress:
-                progress(f"step {step}: loss {sum(losses[-50:]) / max(1, len(losses[-50:])):.3f}, "
-                         f"held-out first-token agreement {agreement:.3f} (best {best:.3f})")
+                recent = losses[-eval_every:]
+                total = steps if steps is not None else step + max(0, int((deadline - time.perf_counter()) /
+                                                                          max(1e-9, (time.perf_counter() - t_train) / max(1, step))))
+                progress(TrainProgress("train", step, total, sum(recent) / max(1, len(recent)), agreement, best))
     if best < 0:
         best = evaluate(head, held or train)
-        head.save(out_dir)
-    return TrainReport(len(seqs), len(held), step, time.perf_counter() - t0, len(vd), best, losses)
+        head.save(out)
+    return TrainReport(len(seqs), len(held), step, time.perf_counter() - t0, len(vd), best, decode_seconds, losses)
 
 
 @torch.no_grad()
@@ -212,3 +374,63 @@ def evaluate(head: DraftHead, sequences: Sequence[TrainingSequence]) -> float:
         agree, count = agree + a, count + n
     head.train(was)
     return agree / count if count else 0.0
+
+
+def load_items(handle: Any, path: str | Path, *, limit: int | None = None) -> tuple[list[tuple[str, list[int], CompiledConstraint]], list[str]]:
+    """The training items of a JSONL file (``{"prompt", "schema"}`` or ``{"prompt", "regex"}``
+    per line): (prompt text, prompt ids, compiled constraint) for each line that compiles,
+    and a message for each that does not."""
+    from ..api import encode_prompt
+    from ..constraint import compile_constraint
+    from ..errors import ConstrainedSpecError
+
+    items, skipped = [], []
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidOptionError(f"Invalid training data: {str(p)!r} is not a file.")
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidOptionError(f"Invalid training data: line {n} of {str(p)!r} is not JSON ({e}).") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or ("schema" in row) == ("regex" in row):
+            raise InvalidOptionError(f"Invalid training data: line {n} of {str(p)!r} needs a \"prompt\" and one of "
+                                     "\"schema\" or \"regex\".")
+        try:
+            kind, constraint = ("json", row["schema"]) if "schema" in row else ("regex", row["regex"])
+            compiled = compile_constraint(constraint, handle.tokenizer, kind=kind)
+            items.append((row["prompt"], encode_prompt(handle, row["prompt"]), compiled))
+        except ConstrainedSpecError as e:
+            skipped.append(f"line {n}: {e}")
+        if limit is not None and len(items) >= limit:
+            break
+    return items, skipped
+
+
+def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "", *, minutes: float | None = None,
+                  steps: int | None = None, draft_vocab: int = 8192, sampled: int = 1, max_new_tokens: int = 128,
+                  limit: int | None = None, seed: int = 0, unroll: int = 3, lr: float = 5e-4, resume: bool = True,
+                  progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
+    """Train a draft head for ``target`` (an id, a path, a handle or None for the embedded
+    model) on the prompts of ``data`` (JSONL, see ``load_items``) and save it to ``out``, which
+    ``draft=out`` then loads. Stage 1 decodes with the model-free drafters ("auto" without a
+    head): the same outputs as target-only, faster."""
+    from ..drafters.factory import build_drafter
+    from ..drafters.lookup import structural_tokens
+    from ..models import resolve_model
+
+    handle = resolve_model(target)
+    rows, skipped = load_items(handle, data, limit=limit)
+    if not rows:
+        raise InvalidOptionError(f"Invalid training data: no usable line in {str(data)!r}"
+                                 + (f" ({skipped[0]})." if skipped else "."))
+    items = [(ids, compiled) for _, ids, compiled in rows]
+    texts = [text for text, _, _ in rows]
+    drafter_for = lambda i, matcher: build_drafter("hybrid", matcher, handle.tokenizer, source_text=texts[i],  # noqa: E731
+                                                   head=False)
+    return train_head(handle.model, handle.tokenizer, items, out, draft_vocab=draft_vocab, steps=steps, minutes=minutes,
+                      sampled=sampled, max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
+                      always=sorted(structural_tokens(handle.vocabulary)), resume=resume, drafter_for=drafter_for,
+                      progress=progress)

@@ -75,11 +75,14 @@ class _Compiled:
 def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | None = None,
                config: ServerConfig | None = None) -> FastAPI:
     """The app serving ``model`` (a ``ModelHandle``, id or path; None: the embedded default).
-    ``draft``: a draft model for the "model" and "hybrid" drafters (same tokenizer, checked now).
+    ``draft``: what "auto" drafts with besides the model-free drafters: None (the model's
+    shipped head), False (nothing), a head directory, or a draft model (same tokenizer, checked
+    now).
     ``options``: the defaults of every request (a request's own fields override them)."""
     handle: ModelHandle = resolve_model(model)
     base = options or SpecOptions()
-    draft_handle = resolve_draft(draft, handle, SpecOptions(drafter="hybrid")) if draft is not None else None
+    # The draft model or head every request's "auto" drafts with (None: the model's shipped head).
+    draft_source = resolve_draft(draft, handle, SpecOptions(drafter="hybrid"))
     cfg = config or ServerConfig()
     state: dict[str, Any] = {}
 
@@ -162,7 +165,7 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
         except InvalidOptionError as e:
             raise ApiError(400, str(e), param="speculative", code="invalid_value") from None
         task = "json" if parsed.constraint.kind == "json" else "text"
-        uses_draft = draft_handle if opts.drafter_kind in ("model", "hybrid") else None
+        uses_draft = draft_source if opts.drafter_kind in ("model", "head", "hybrid") else None
         try:
             # Conversations opening with the same system turns share their keys (prefix cache).
             shared = chat_prefix_length(handle, parsed.messages, ids) if parsed.messages is not None else None

@@ -1,0 +1,70 @@
+"""The train-drafter command on the embedded model, end to end in a few steps: its data (no
+held-out schema in it), a head saved that ``draft=DIR`` loads, greedy output unchanged with it,
+a resumed run, and the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from constrained_spec.cli import app
+from constrained_spec.pipelines.drafter_data import HELD_OUT_SUBSET, generation_workload, training_prompts
+
+runner = CliRunner()
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="JSONSchemaBench data not present")
+
+
+@needs_data
+def test_training_prompts_never_use_the_held_out_subset_and_have_both_kinds():
+    rows = training_prompts(DATA, per_subset=2)
+    assert rows and not any(r["id"].startswith(HELD_OUT_SUBSET + "/") for r in rows)
+    assert {r["kind"] for r in rows} == {"generation", "extraction"}
+    held = generation_workload(DATA, limit=3)
+    assert len(held) == 3 and all(r["id"].startswith(HELD_OUT_SUBSET + "/") for r in held)
+    assert not {json.dumps(r["schema"], sort_keys=True) for r in held} & {json.dumps(r["schema"], sort_keys=True) for r in rows}
+
+
+def test_train_drafter_saves_a_head_that_draft_dir_loads(smol, tmp_path):
+    from constrained_spec import generate_json
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": "Write a realistic example JSON object for this JSON schema: "
+                       '{"type":"object","properties":{"city":{"type":"string"},"rooms":{"type":"integer"}}}',
+             "schema": {"type": "object", "properties": {"city": {"type": "string"}, "rooms": {"type": "integer"}},
+                        "required": ["city", "rooms"]}},
+            {"prompt": "Give a US phone number.", "regex": r"\(\d{3}\) \d{3}-\d{4}"},
+            {"prompt": "broken", "schema": {"type": "nonsense"}}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "head"
+    args = ["train-drafter", "--data", str(data), "--out", str(out), "--steps", "4", "--max-new-tokens", "24",
+            "--draft-vocab", "600"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout[res.stdout.index("{"):])
+    assert report["steps"] == 4 and report["sequences"] >= 2 and report["draft_vocab"] == 600
+    assert (out / "head.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    schema, prompt = rows[0]["schema"], "A flat in Lyon with 3 rooms, as JSON."
+    ref = generate_json(smol, schema, prompt, drafter="none", max_new_tokens=40)
+    value, stats = generate_json(smol, schema, prompt, draft=str(out), return_stats=True, max_new_tokens=40)
+    assert value == ref
+    head_only, st = generate_json(smol, schema, prompt, drafter="head", draft=str(out), return_stats=True,
+                                  max_new_tokens=40)
+    assert head_only == ref and st.per_kind.get("head", {}).get("drafted", 0) > 0
+    again = runner.invoke(app, args)  # resumed: the decoded outputs and the checkpoint are reused
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout[again.stdout.index("{"):])["decode_seconds"] < report["decode_seconds"]
+
+
+def test_train_drafter_refuses_bad_input(tmp_path):
+    res = runner.invoke(app, ["train-drafter", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--minutes or --steps" in res.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    res = runner.invoke(app, ["train-drafter", "--data", str(bad), "--out", str(tmp_path / "o"), "--steps", "1"])
+    assert res.exit_code == 2 and "one of \"schema\" or \"regex\"" in res.output
+    res = runner.invoke(app, ["json", '{"type": "boolean"}', "--prompt", "hi", "--drafter", "head", "--draft", "none"])
+    assert res.exit_code == 2 and "'head' needs a draft head" in res.output
