@@ -70,7 +70,7 @@ def main() -> None:
                 hh, ll = head(h, torch.tensor([[500]]), torch.tensor([[300 + i]]), cache)
                 full[head.vocab_ids] = ll[0, -1].double()
                 int(full.argmax())
-                cache.crop(300)
+                cache.crop(-1)
             per = (time.perf_counter() - t0) / n
         agreement = evaluate(head, [_as(seq, head.fc.weight.dtype) for seq in held])
         rows.append((fmt, per, size, agreement))

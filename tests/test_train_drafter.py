@@ -45,7 +45,7 @@ def test_train_drafter_saves_a_head_that_draft_dir_loads(smol, tmp_path):
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout[res.stdout.index("{"):])
-    assert report["steps"] == 4 and report["sequences"] >= 2 and report["draft_vocab"] == 600
+    assert report["steps"] == 4 and report["sequences"] >= 2 and 0 < report["draft_vocab"] <= 600
     assert (out / "head.safetensors").is_file() and (out / "checkpoint.pt").is_file()
     schema, prompt = rows[0]["schema"], "A flat in Lyon with 3 rooms, as JSON."
     ref = generate_json(smol, schema, prompt, drafter="none", max_new_tokens=40)

@@ -187,6 +187,7 @@ class AdaptiveK:
     _curve: _CostFit = field(init=False)
     _draft_per_token: float = 0.0
     _skipped: int = 0
+    _skipped_costly: int = 0
     _seed: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -271,6 +272,11 @@ class AdaptiveK:
             if nxt <= value + 1e-12:
                 break
             expected, value, keep = expected + survive, nxt, j
+        if keep == 0 and room:
+            # Probe now and then (as trim does), so an estimate that fell too low can recover.
+            self._skipped_costly += 1
+            if self._skipped_costly % 8 == 0:
+                keep = 1
         return keep
 
     def _best_prefix(self, kinds: Sequence[str], extra: Callable[[int], float]) -> int:

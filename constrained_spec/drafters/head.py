@@ -144,7 +144,7 @@ class DraftHead(nn.Module):
             mask = torch.full((t, past + t), float("-inf"), dtype=u.dtype, device=u.device)
             mask = torch.triu(mask, diagonal=past + 1)[None, None]
         cos_sin = self.rotary(u, positions)
-        out = self.layer(u, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
+        out = self.layer(u, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
                          position_embeddings=cos_sin)
         return out[0] if isinstance(out, tuple) else out
 
@@ -270,6 +270,7 @@ class HeadDrafter(Drafter):
         self.generator = generator
         self.taps = head.config.taps
         self.seconds = 0.0
+        self._t_synced = 0.0
         #: The law's size: the target's logits (the matcher's vocabulary may be shorter: padding rows).
         self.size = max(head._embed[0].num_embeddings, matcher.vocab.size)
         self._in_vocab = torch.zeros(self.size, dtype=torch.bool)
@@ -392,10 +393,12 @@ class HeadDrafter(Drafter):
             return self.empty(state)
         t0 = time.perf_counter()
         draft = self._propose(context, state, k)
-        spent = time.perf_counter() - t0
-        self.seconds += spent
+        t2 = time.perf_counter()
+        self.seconds += t2 - t0
         if draft.tokens:  # what the K policy weighs this drafter's tokens by (a moving average)
-            per = spent / len(draft.tokens)
+            # Per drafted token, without catching up on the context (the prompt's pairs are fed
+            # once, at the first proposal; later steps feed only what was accepted).
+            per = (t2 - self._t_synced) / len(draft.tokens)
             self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
         return draft
 
@@ -408,6 +411,7 @@ class HeadDrafter(Drafter):
                 return self.empty(state)
         seen = self.start + len(self.tokens)  # positions with target features
         h, logits = self._sync(context[seen])  # type: ignore[misc]
+        self._t_synced = time.perf_counter()
         pos = seen
         # Tokens another drafter proposed before this one in the same step (a hybrid draft):
         # the head rolls over them on its own states, as over its own draft tokens.

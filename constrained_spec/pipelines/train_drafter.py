@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..constraint import CompiledConstraint, Matcher, State, vocabulary_of
-from ..decoding import FixedK, SpeculativeDecoder
+from ..decoding import AdaptiveK, FixedK, SpeculativeDecoder
 from ..drafters.base import Draft, Drafter
 from ..drafters.head import DraftHead, HeadConfig, default_taps
 from ..errors import InvalidOptionError
@@ -159,7 +159,9 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
             recorder = FeatureRecorder(matcher, (*taps, final))
             other = drafter_for(i, matcher) if drafter_for is not None else None
             drafter = HybridDrafter([other, recorder]) if other is not None else recorder
-            k_policy = None if other is not None else FixedK(0)
+            # Speculation only changes the speed: a seeded sampled run keeps its K choices
+            # independent of timings, so the same seed gives the same output.
+            k_policy = AdaptiveK(12, deterministic=run_seed is not None) if other is not None else FixedK(0)
             dec = SpeculativeDecoder(target, matcher, prompt, drafter=drafter, k_policy=k_policy, temperature=temp,
                                      seed=run_seed, max_new_tokens=max_new_tokens)
             for _ in dec.run():
