@@ -548,7 +548,7 @@ def bench_cmd(
         for row in report["rows"]:
             cells = []
             for c in cols:
-                v = row[c]
+                v = row.get(c)
                 if isinstance(v, dict):
                     v = " ".join(f"{k} {x:.2f}" for k, x in v.items())
                 elif isinstance(v, list):

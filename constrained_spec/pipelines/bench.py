@@ -350,13 +350,13 @@ def run_bench(
             progress(i + 1, len(items))
     baseline = figures[label(labels[0], configs[0])]
     rows = [f.summary(baseline) for f in figures.values()]
+    rows += [row.summary(baseline) for _, row in references.values()]
     # A one-token target step (target-only, after each prompt's pass): what a head token's cost is weighed against.
     steps = [t for st in baseline.traces for t in st.step_seconds[1:]]
     one_step_ms = 1000 * float(np.median(steps)) if steps else None
     for row in rows:
         ms = row.get("head_ms_per_draft_token")
         row["head_cost_vs_target_step"] = round(ms / one_step_ms, 3) if ms and one_step_ms else None
-    rows += [row.summary(baseline) for _, row in references.values()]
     default = figures.get(label(labels[-1], configs[-1])) or list(figures.values())[-1]
     return {
         "model": handle.name if len(labels) == 1 else "SmolLM2-135M-Instruct",
