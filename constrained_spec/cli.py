@@ -35,11 +35,13 @@ EXAMPLE_PROMPT = (
 
 ModelOpt = typer.Option(None, "--model", "-m", help="Model id or local path; default: the embedded SmolLM2-135M-Instruct.")
 def _draft_value(value: Optional[str]) -> Any:
-    """--draft none means no learned draft at all (not even the shipped head)."""
-    return False if isinstance(value, str) and value.lower() in ("none", "off", "false") else value
+    """--draft none: no learned draft; --draft shipped: the head the package ships for the model."""
+    if isinstance(value, str) and value.lower() in ("none", "off", "false"):
+        return False
+    return True if isinstance(value, str) and value.lower() == "shipped" else value
 
 
-DraftOpt = typer.Option(None, "--draft", callback=_draft_value, help="What auto drafts with besides forced text, copies and lookup: a head directory from train-drafter, a draft model id or path (same tokenizer), or none; default: the model's shipped head.")
+DraftOpt = typer.Option(None, "--draft", callback=_draft_value, help="What auto drafts with besides forced text, copies and lookup: shipped (the model's shipped draft head), a head directory from train-drafter, a draft model id or path (same tokenizer), or none.")
 DrafterOpt = typer.Option("auto", "--drafter", help="none | model | head | lookup | grammar | hybrid | auto (= hybrid: forced text, copy from the prompt, lookup, then the head / --draft).")
 TempOpt = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples exactly from the masked target.")
 SeedOpt = typer.Option(None, "--seed", help="Seed for sampling.")

@@ -237,6 +237,10 @@ def test_draft_false_a_directory_and_a_head_for_another_tokenizer(setup, tmp_pat
     auto = SpecOptions(drafter="auto")
     assert resolve_draft(None, handle, auto) is None  # no head ships for the tiny model
     assert resolve_draft(False, handle, auto) is None
+    from constrained_spec.errors import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match="no draft head ships"):
+        resolve_draft(True, handle, auto)
     head.save(tmp_path / "h")
     source = resolve_draft(str(tmp_path / "h"), handle, auto)
     assert isinstance(source, DraftSource) and source.head is not None and source.model is None

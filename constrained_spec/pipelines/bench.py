@@ -37,23 +37,23 @@ class BenchConfig:
     drafter: str
     k_max: int | None = None
     adaptive: bool = True
-    #: ``draft=`` of the request: None for the model's shipped head, False for no learned draft.
+    #: ``draft=`` of the request: None (auto's default: no learned draft), True for the shipped head.
     draft: Any = None
 
 
-NO_HEAD_CONFIG = "auto, no head (draft=False)"
+HEAD_CONFIG = "auto + shipped head (draft=True)"
 
 
 def default_configs(fixed_ks: tuple[int, ...] = (4, 8, 12, 16, 20), *, head: bool = False) -> list[BenchConfig]:
     """Target-only, each drafter alone, hybrid at fixed K values, and hybrid adaptive (the
-    default); with ``head`` (the model ships one) also the head alone and auto without it."""
+    default); with ``head`` (the model ships one) also the head alone and auto with it."""
     return [
         BenchConfig(BASELINE, "none"),
         BenchConfig("lookup", "lookup"),
         BenchConfig("grammar", "grammar"),
         *([BenchConfig("head", "head")] if head else []),
         *[BenchConfig(f"hybrid, fixed K={k}", "hybrid", k, adaptive=False) for k in fixed_ks],
-        *([BenchConfig(NO_HEAD_CONFIG, "hybrid", draft=False)] if head else []),
+        *([BenchConfig(HEAD_CONFIG, "hybrid", draft=True)] if head else []),
         BenchConfig(DEFAULT_CONFIG, "hybrid"),
     ]
 

@@ -75,13 +75,13 @@ class _Compiled:
 def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | None = None,
                config: ServerConfig | None = None) -> FastAPI:
     """The app serving ``model`` (a ``ModelHandle``, id or path; None: the embedded default).
-    ``draft``: what "auto" drafts with besides the model-free drafters: None (the model's
-    shipped head), False (nothing), a head directory, or a draft model (same tokenizer, checked
-    now).
+    ``draft``: what "auto" drafts with besides the model-free drafters: None or False
+    (nothing), True (the model's shipped head), a head directory, or a draft model (same
+    tokenizer, checked now).
     ``options``: the defaults of every request (a request's own fields override them)."""
     handle: ModelHandle = resolve_model(model)
     base = options or SpecOptions()
-    # The draft model or head every request's "auto" drafts with (None: the model's shipped head).
+    # The draft model or head every request's "auto" drafts with (None: none; True: the shipped head).
     draft_source = resolve_draft(draft, handle, SpecOptions(drafter="hybrid"))
     cfg = config or ServerConfig()
     state: dict[str, Any] = {}
