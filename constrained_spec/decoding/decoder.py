@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -172,8 +172,7 @@ class SpeculativeDecoder:
         out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
                           logits_to_keep=keep, **extra)
         if taps:
-            feats = torch.cat([out.hidden_states[i][0] for i in taps], dim=-1)
-            self._features = (feats if feats.dtype == torch.float64 else feats.float()).cpu()
+            self._features = tap_features(out.hidden_states, taps, 0, len(ids))
         if not self.stats.target_forwards and self.cache.get_seq_length() != self._prefilled + len(ids):
             import transformers
 
@@ -403,6 +402,13 @@ class SpeculativeDecoder:
             if emitted:
                 yield emitted
         self.close()
+
+
+def tap_features(hidden_states: Sequence[torch.Tensor], taps: Sequence[int], start: int, stop: int) -> torch.Tensor:
+    """The tapped ``hidden_states`` of positions ``start..stop-1`` of a (packed) forward,
+    concatenated, on the CPU: float64 where the model computes in it, else float32."""
+    feats = torch.cat([hidden_states[t][0, start:stop] for t in taps], dim=-1)
+    return (feats if feats.dtype == torch.float64 else feats.float()).cpu()
 
 
 def decode(target: Any, matcher: Matcher, prompt_ids: list[int], **options: Any) -> DecodeResult:

@@ -31,7 +31,7 @@ from ..constraint import Matcher
 from ..drafters import Drafter
 from ..errors import InvalidOptionError
 from .budget import BatchCost, batch_cost_prior, choose_drafts
-from .decoder import SpeculativeDecoder, StepPlan
+from .decoder import SpeculativeDecoder, StepPlan, tap_features
 from .kpolicy import KPolicy
 from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
 from .prefix import PrefixCache, prefix_cache_for
@@ -221,9 +221,10 @@ class BatchEngine:
             inputs["prompt_rows"] = [(seg.start, seg.length) for seg in packing.prompts]
         # Rows whose drafter is a learned head read the target's features of what they fed.
         reads = {i: self.active[i].decoder.feature_layers for i, _ in live}
-        if any(reads.values()):
+        with_features = any(reads.values())
+        if with_features:
             inputs["output_hidden_states"] = True
-        starts = [int(n) for n in self.cache.lengths[:b]]
+            starts = [int(n) for n in self.cache.lengths[:b]]  # each row's first fed position
         t0 = time.perf_counter()
         try:
             if needed:
@@ -233,7 +234,7 @@ class BatchEngine:
             else:  # every row is in a single-token state: only the keys are needed
                 out = self.target.base_model(**inputs)
                 logits = None
-            hidden = out.hidden_states if any(reads.values()) else None
+            hidden = out.hidden_states if with_features else None
         finally:
             self.cache.packing = None
         seconds = time.perf_counter() - t0
@@ -257,8 +258,7 @@ class BatchEngine:
             self.cache.keep(i, len(p.tokens) - dropped)
             if hidden is not None and reads[i]:
                 at = packing.starts[i]
-                feats = torch.cat([hidden[t][0, at : at + len(p.tokens)] for t in reads[i]], dim=-1).cpu()
-                req.decoder.observe_features(starts[i], p, feats if feats.dtype == torch.float64 else feats.float(),
+                req.decoder.observe_features(starts[i], p, tap_features(hidden, reads[i], at, at + len(p.tokens)),
                                              dropped)
             self._emit(req, emitted)
 
