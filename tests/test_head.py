@@ -263,3 +263,43 @@ def test_a_head_that_does_not_pay_is_not_drafted():
     # After a long forced span, one more costly token adds little: fewer are drafted.
     fresh = AdaptiveK(8)
     assert fresh.draft_room(["grammar"] * 6, "head", 4, 0.0) <= fresh.draft_room([], "head", 4, 0.0)
+
+
+def test_the_head_drafts_before_lookup_only_where_lookup_is_mostly_rejected():
+    from constrained_spec.decoding import AdaptiveK
+
+    policy = AdaptiveK(8, deterministic=True)  # priors only: no timings, nothing from other requests
+    assert not policy.prefers_costly([], "lookup", "head", 0.0)  # prior: lookup 0.5, head 0.6 - its cost
+    assert not FixedK(3).prefers_costly([], "lookup", "head", 0.0)
+    for _ in range(20):  # lookup's spans were rejected at their first token
+        policy.update(["lookup", "lookup"], 0, None, 0.0)
+    assert policy.prefers_costly([], "lookup", "head", 0.0)
+    assert not policy.prefers_costly([], "grammar", "head", 0.0)  # forced text is not overtaken
+    for _ in range(40):  # now they are right
+        policy.update(["lookup"], 1, None, 0.0)
+    assert not policy.prefers_costly([], "lookup", "head", 0.0)
+
+
+def test_a_preferred_head_drafts_where_lookup_could_and_the_output_is_unchanged(setup):
+    """With a budget that puts the head first, its tokens lead the proposal although lookup
+    has one there, and greedy output stays the target-only output."""
+    from constrained_spec.drafters import LookupDrafter
+    from constrained_spec.drafters.hybrid import HybridDrafter
+
+    _, compiled, target, head = setup
+
+    class HeadFirst(FixedK):
+        def prefers_costly(self, kinds, free_kind, costly_kind, seconds_per_token):
+            return True
+
+    prompt = [1, 3, 1, 3, 1, 3, 1]  # a repeating prompt: lookup always has a span to offer
+    ref = decode(target, compiled.matcher(), prompt, max_new_tokens=16)
+    kinds = {}
+    for policy in (FixedK(4), HeadFirst(4)):
+        m = compiled.matcher()
+        res = decode(target, m, prompt, drafter=HybridDrafter([LookupDrafter(m), HeadDrafter(head, m)]),
+                     k_policy=policy, max_new_tokens=16)
+        assert res.tokens == ref.tokens
+        kinds[type(policy).__name__] = res.stats.per_kind
+    assert kinds["HeadFirst"].get("head", {}).get("drafted", 0) > kinds["FixedK"].get("head", {}).get("drafted", 0)
+    assert kinds["HeadFirst"].get("lookup", {}).get("drafted", 0) < kinds["FixedK"].get("lookup", {}).get("drafted", 0)

@@ -15,7 +15,7 @@ import torch
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
 from constrained_spec.decoding import FixedK, decode
 from constrained_spec.drafters import ModelDrafter
-from constrained_spec.models.invariant import ROW_BUCKET, BucketedLinear, RowSplit, make_batch_invariant
+from constrained_spec.models.invariant import OUTPUT_BUCKET, ROW_BUCKET, BucketedLinear, RowSplit, make_batch_invariant
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
@@ -49,6 +49,23 @@ def test_bucketed_linear_rows_are_bit_identical_whatever_the_batch(device):
     for m in (2, 7, ROW_BUCKET, ROW_BUCKET + 1, x.shape[0]):
         assert torch.equal(layer(x[:m]), alone[:m]), m
     assert (layer(x) - linear(x)).abs().max() <= 2 ** -6 * linear(x).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_output_projection_rows_are_bit_identical_whatever_the_batch(dtype):
+    """The CPU output projection (``W @ X.T`` in blocks of ``OUTPUT_BUCKET`` rows): a row's
+    logits are the same bits alone, among any number of rows, and in any slot of its block."""
+    linear = torch.nn.Linear(576, 4096, bias=False).to(dtype)
+    layer = BucketedLinear(linear, RowSplit(), bucket=OUTPUT_BUCKET, transposed=True)
+    x = torch.randn(3 * OUTPUT_BUCKET + 3, 576, dtype=dtype)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+        for m in (2, 5, OUTPUT_BUCKET, OUTPUT_BUCKET + 1, 2 * OUTPUT_BUCKET + 3, x.shape[0]):
+            assert torch.equal(layer(x[:m]), alone[:m]), m
+        shifted = layer(x[3:])  # every row in another slot of its block
+        assert torch.equal(shifted, alone[3:])
+        assert layer(x[:0]).shape == (0, 4096)
+        assert (layer(x) - linear(x)).abs().max() <= 1e-4 * linear(x).abs().max()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -156,6 +156,29 @@ def test_native_forward_is_batch_invariant(native_and_tokens):
 
 
 @pytest.mark.slow
+@torch.no_grad()
+def test_native_logits_are_batch_invariant(native_and_tokens):
+    """The logits too (the output projection in fixed blocks, see ``models.invariant``): a later
+    pass over k new tokens gives each row the bits of its one-token pass."""
+    from transformers import DynamicCache
+
+    native, prompt, out = native_and_tokens
+    model, n = native.model, len(prompt) - 1
+
+    def logits(cache, ids, prompt_rows=0):
+        return model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, prompt_rows=prompt_rows,
+                     logits_to_keep=len(ids) - prompt_rows).logits[0]
+
+    cache = DynamicCache(config=model.config)
+    logits(cache, prompt, n)
+    ref = torch.stack([logits(cache, [t])[0] for t in out[:13]])
+    for k in (2, 5, 8, 9, 13):
+        cache = DynamicCache(config=model.config)
+        logits(cache, prompt, n)
+        assert torch.equal(logits(cache, out[:k]), ref[:k]), f"k={k}"
+
+
+@pytest.mark.slow
 def test_native_greedy_speculative_equals_target_only_on_every_bench_prompt(native_and_tokens):
     """Through the decoder at native precision: the same text and token count, prompt by prompt
     (without the invariant attention and norm, one of these six differed)."""

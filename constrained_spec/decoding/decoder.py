@@ -118,8 +118,9 @@ class SpeculativeDecoder:
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         if drafter is not None:
             drafter.set_generator(self.generator)
-            # A learned part drafts only as many tokens as its cost and acceptance pay for.
-            drafter.set_draft_budget(getattr(self.k_policy, "draft_room", None))
+            # A learned part drafts only as many tokens as its cost and acceptance pay for,
+            # and before a free part only where it is expected to be right more often.
+            drafter.set_draft_budget(self.k_policy)
         self.max_new_tokens = max_new_tokens if context is None else min(max_new_tokens, context - len(prompt_ids))
         self.device = next(target.parameters()).device
         self._batch_invariant = bool(getattr(target, "batch_invariant", False))

@@ -66,6 +66,9 @@ class KPolicy(Protocol):
         """How many tokens (at most ``room``) a costly drafter of ``kind`` should add after a
         proposal of ``kinds`` so far."""
 
+    def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
+        """Whether the costly kind should draft the next position before a free part of ``free_kind``."""
+
 
 @dataclass
 class FixedK:
@@ -92,6 +95,10 @@ class FixedK:
     def draft_room(self, kinds: Sequence[str], kind: str, room: int, seconds_per_token: float) -> int:
         """All of it: the baseline drafts what it is allowed."""
         return room
+
+    def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
+        """Never: the baseline keeps the drafter's own order."""
+        return False
 
 
 def _concave(k: int) -> float:
@@ -256,8 +263,7 @@ class AdaptiveK:
         verify share and its own drafting (``seconds_per_token`` over a one-token pass, the
         prior ``PRIOR_C_HEAD`` until both are timed). Decided before any of them is drawn, so
         the output law is untouched; a draft that does not pay is not drafted."""
-        t0 = self._cost.one_token_seconds()
-        c = seconds_per_token / t0 if t0 > 0 and seconds_per_token > 0 and not self.deterministic else PRIOR_C_HEAD
+        c = self._costly_ratio(seconds_per_token)
         r = self._curve.ratio()
         base = len(kinds)
         keys = alpha_keys([*kinds, *([kind] * room)])
@@ -278,6 +284,25 @@ class AdaptiveK:
             if self._skipped_costly % 8 == 0:
                 keep = 1
         return keep
+
+    def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
+        """Whether the costly kind (a learned head) should draft the next position before a free
+        part (lookup, a copy) that has a proposal there: when its acceptance estimate at that
+        position, less its own cost per token, beats the free part's. Where prompt lookup's
+        spans are right (extraction) it keeps going first; where they are mostly rejected
+        (values the model writes itself) the head drafts instead of a span that would be
+        trimmed away. Decided from the kinds so far and past estimates only, before anything
+        is drawn at that position, so the output law is untouched. A skipped kind's estimate
+        drifts back to its seed as the counts decay, so it is tried again later."""
+        free = alpha_keys([*kinds, free_kind])[-1]
+        costly = alpha_keys([*kinds, costly_kind])[-1]
+        return self.alpha(costly) - self._costly_ratio(seconds_per_token) > self.alpha(free)
+
+    def _costly_ratio(self, seconds_per_token: float) -> float:
+        """A costly draft token's own cost over a one-token pass (``PRIOR_C_HEAD`` until both are
+        timed, and always for a seeded sampled request)."""
+        t0 = self._cost.one_token_seconds()
+        return seconds_per_token / t0 if t0 > 0 and seconds_per_token > 0 and not self.deterministic else PRIOR_C_HEAD
 
     def _best_prefix(self, kinds: Sequence[str], extra: Callable[[int], float]) -> int:
         """First-stop argmax over j of (1 + sum_{i<=j} prod_{m<=i} alpha_m) / (1 + extra(j)),

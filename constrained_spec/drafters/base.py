@@ -13,15 +13,22 @@ minus EOS (the target still emits EOS as a recovered or bonus token). Determinis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from ..constraint import Matcher, State
 
 
-#: ``budget(kinds so far, kind, room, seconds per token) -> tokens of that kind worth drafting``.
-DraftBudget = Callable[[Sequence[str], str, int, float], int]
+class DraftBudget(Protocol):
+    """What a composite drafter asks the K policy before a learned (costly) part drafts."""
+
+    def draft_room(self, kinds: Sequence[str], kind: str, room: int, seconds_per_token: float) -> int:
+        """Tokens (at most ``room``) of the costly ``kind`` worth drafting after ``kinds``."""
+
+    def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
+        """Whether, after ``kinds``, the costly kind should draft the next position before a
+        free part of ``free_kind`` that could (its acceptance estimate, less its cost, is higher)."""
 
 
 @dataclass
@@ -84,9 +91,10 @@ class Drafter:
         """Seconds spent drafting, per kind, for drafters that time themselves."""
         return {}
 
-    def set_draft_budget(self, budget: "DraftBudget | None") -> None:
-        """The K policy's rule for how many tokens of a costly kind are worth drafting (a
-        composite drafter asks it before its learned part drafts)."""
+    def set_draft_budget(self, budget: DraftBudget | None) -> None:
+        """The K policy's rules for a costly kind: how many of its tokens are worth drafting,
+        and whether it drafts before a free part (a composite drafter asks before its learned
+        part drafts)."""
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

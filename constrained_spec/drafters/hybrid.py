@@ -10,6 +10,10 @@ from ..constraint import Matcher, State
 from .base import Draft, Drafter, DraftBudget
 
 
+#: Parts that pay per drafted token (the K policy's budget decides how many they draft).
+COSTLY_KINDS = ("model", "head")
+
+
 class HybridDrafter(Drafter):
     """Concatenates its parts' proposals: each part continues from the state the previous one
     reached, so the whole draft is one path of the matcher. After a part proposes, the parts
@@ -81,12 +85,12 @@ class HybridDrafter(Drafter):
         q_rows: list[torch.Tensor | None] = []
         while len(tokens) < k:
             grew = False
-            for part in self.parts:
+            for part in self._order(kinds):
                 room = k - len(tokens)
-                if part.name in ("model", "head"):
+                if part.name in COSTLY_KINDS:
                     room = min(room, self.max_model_tokens)
                     if self.budget is not None:
-                        room = self.budget(kinds, part.name, room, part.seconds_per_token)
+                        room = self.budget.draft_room(kinds, part.name, room, part.seconds_per_token)
                     if room <= 0:
                         continue
                 d = part.propose(context + tokens, states[-1], room)
@@ -105,6 +109,26 @@ class HybridDrafter(Drafter):
             v = next(r for r in q_rows if r is not None).shape[0]
             q = torch.stack([r if r is not None else _one_hot(t, v) for r, t in zip(q_rows, tokens)])
         return Draft(tokens, states, q, self.name, kinds)
+
+
+    def _order(self, kinds: list[str]) -> list[Drafter]:
+        """The parts in the order they are asked at the next position: the declared order, but a
+        costly part moves ahead of the free parts the budget says it beats there (forced text
+        is never overtaken in practice: its estimate is near 1)."""
+        costly = next((p for p in self.parts if p.name in COSTLY_KINDS), None)
+        if costly is None or self.budget is None:
+            return self.parts
+        order: list[Drafter] = []
+        for part in self.parts:
+            if part is costly:
+                if costly not in order:
+                    order.append(part)
+                continue
+            if (costly not in order and part.name not in COSTLY_KINDS
+                    and self.budget.prefers_costly(kinds, part.name, costly.name, costly.seconds_per_token)):
+                order.append(costly)
+            order.append(part)
+        return order
 
 
 def _one_hot(token: int, size: int) -> torch.Tensor:
