@@ -504,6 +504,8 @@ def bench_cmd(
     serve: Optional[str] = typer.Option(None, "--serve", help="Comma-separated client counts, e.g. 1,8,32: the server load test instead (a server started here, or --server)."),
     server: Optional[str] = typer.Option(None, "--server", help="With --serve: load-test the server at this URL instead of starting one."),
     workload: str = typer.Option("extraction", "--workload", help="extraction (the shipped prompts or --prompts) or generation (example objects for held-out Glaiveai2K schemas, never trained on)."),
+    profile_forward: bool = typer.Option(False, "--profile-forward", help="Instead: where a target forward's time goes (output projection, linears, attention, norms, other) for verify passes of --forward-ks new tokens, at each --precision (default native,float32)."),
+    forward_ks: str = typer.Option("1,4,12,21", "--forward-ks", help="With --profile-forward: the new tokens per pass."),
 ) -> None:
     """Target-only vs every drafter and K policy on the extraction prompts, side by side in one run.
 
@@ -514,6 +516,9 @@ def bench_cmd(
     """
     from .pipelines.bench import DEFAULT_PROMPTS, default_configs, plot_trace, run_bench
 
+    if profile_forward:
+        _run_guarded(lambda: _forward_profile(model, dtype, precision, forward_ks, json_out))
+        return
     if batch is not None:
         _run_guarded(lambda: _batch_sweep(batch, model, dtype, precision, documents, limit, json_out, plot))
         return
@@ -768,6 +773,37 @@ def _counts(text: str, option: str) -> list[int]:
     if not values or min(values) < 1:
         raise InvalidOptionError(f"Invalid {option}: expected comma-separated integers >= 1, got {text!r}.")
     return values
+
+
+def _forward_profile(model: Optional[str], dtype: Optional[str], precision: Optional[str], ks_text: str,
+                     json_out: Optional[Path]) -> None:
+    from .models import resolve_model
+    from .pipelines.forward_profile import PARTS, profile_forward
+
+    try:
+        ks = tuple(int(k) for k in ks_text.split(",") if k.strip())
+    except ValueError:
+        raise InvalidOptionError(f"Invalid --forward-ks: expected comma-separated integers, got {ks_text!r}.") from None
+    if not ks or min(ks) < 1:
+        raise InvalidOptionError(f"Invalid --forward-ks: expected integers >= 1, got {ks_text!r}.")
+    precisions = [p.strip() for p in (precision or ("native,float32" if model is None and dtype is None else "")).split(",")
+                  if p.strip()] or [None]
+    rows = []
+    for p in precisions:
+        handle = resolve_model(_model_arg(model, dtype, p))
+        rows += profile_forward(handle, p or str(next(handle.model.parameters()).dtype).removeprefix("torch."), ks)
+    table = Table(title=f"Where a verify pass's time goes (after a {rows[0].context}-token prompt; ms per forward, "
+                        "median; each part's share timed by hooks)")
+    for header in ("precision", "k", "total ms", "ms/token", *PARTS, "conversions", "weights MB", "KV MB"):
+        table.add_column(header, justify="left" if header == "precision" else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(r.precision, str(r.k), f"{r.total_ms:.1f}", f"{r.ms_per_token:.1f}",
+                      *(f"{r.parts_ms[p]:.1f} ({r.parts_ms[p] / r.total_ms:.0%})" for p in PARTS),
+                      f"{r.conversions_ms:.1f}", f"{r.weight_mb:.0f}", f"{r.kv_mb:.1f}")
+    Console(width=max(180, Console().width)).print(table)
+    if json_out:
+        json_out.write_text(json.dumps([r.as_dict() for r in rows], indent=2))
+        err.print(f"figures written to {json_out}")
 
 
 def _serve_load(levels: str, server: Optional[str], documents: Optional[Path], limit: Optional[int],
