@@ -204,23 +204,34 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         # once per key head rather than repeated per query head.
         q = query[:, :, prompt_rows:].double().reshape(b, kv_heads, heads // kv_heads * rows, dim)
         scores = ((q @ key.double().transpose(-1, -2)) * scale).reshape(b, kv_heads, heads // kv_heads, rows, kv_len)
-        key_index = torch.arange(kv_len, device=query.device)[None, :]
-        positions = key_index[0, past + prompt_rows :, None]  # each new row's own position
-        allowed = key_index <= positions  # causal, [rows, kv]
-        if attention_mask is not None:
-            m = attention_mask[..., prompt_rows:, :]
-            allowed = allowed & (m if m.dtype == torch.bool else m > float("-inf"))  # [b, 1, rows, kv]
-            # A left-padding row may see no key at all: let it see itself, so no NaN reaches the
-            # cache (its output is never read).
-            own = key_index == positions
-            allowed = allowed | (~allowed.any(dim=-1, keepdim=True) & own)
-        if allowed.dim() == 4:
-            allowed = allowed.unsqueeze(2)  # [b, 1, 1, rows, kv]: the same for every head of a group
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        # One new row at the end with no padding sees every key: nothing to mask, and masking
+        # nothing changes no bit (five ops per layer less on every decode step).
+        if not (rows == 1 and attention_mask is None and past + prompt_rows == kv_len - 1):
+            scores = scores.masked_fill(~_allowed(attention_mask, kv_len, past + prompt_rows, prompt_rows, query.device),
+                                        float("-inf"))
         probs = torch.softmax(scores, dim=-1).reshape(b, kv_heads, heads // kv_heads * rows, kv_len)
         out = (probs @ value.double()).reshape(b, heads, rows, dim).to(query.dtype)
         parts.append(out.transpose(1, 2))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
+
+
+def _allowed(attention_mask: torch.Tensor | None, kv_len: int, first: int, prompt_rows: int,
+             device: torch.device) -> torch.Tensor:
+    """Which keys each new row (positions ``first..kv_len - 1``) may see: causal, and the
+    attention mask's padding; shaped to broadcast over ``[b, kv_heads, group, rows, kv]``."""
+    key_index = torch.arange(kv_len, device=device)[None, :]
+    positions = key_index[0, first:, None]  # each new row's own position
+    allowed = key_index <= positions  # causal, [rows, kv]
+    if attention_mask is not None:
+        m = attention_mask[..., prompt_rows:, :]
+        allowed = allowed & (m if m.dtype == torch.bool else m > float("-inf"))  # [b, 1, rows, kv]
+        # A left-padding row may see no key at all: let it see itself, so no NaN reaches the
+        # cache (its output is never read).
+        own = key_index == positions
+        allowed = allowed | (~allowed.any(dim=-1, keepdim=True) & own)
+    if allowed.dim() == 4:
+        allowed = allowed.unsqueeze(2)  # [b, 1, 1, rows, kv]: the same for every head of a group
+    return allowed
 
 
 def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> Any:
