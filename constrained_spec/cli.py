@@ -780,12 +780,7 @@ def _forward_profile(model: Optional[str], dtype: Optional[str], precision: Opti
     from .models import resolve_model
     from .pipelines.forward_profile import PARTS, profile_forward
 
-    try:
-        ks = tuple(int(k) for k in ks_text.split(",") if k.strip())
-    except ValueError:
-        raise InvalidOptionError(f"Invalid --forward-ks: expected comma-separated integers, got {ks_text!r}.") from None
-    if not ks or min(ks) < 1:
-        raise InvalidOptionError(f"Invalid --forward-ks: expected integers >= 1, got {ks_text!r}.")
+    ks = _counts(ks_text, "--forward-ks")
     precisions = [p.strip() for p in (precision or ("native,float32" if model is None and dtype is None else "")).split(",")
                   if p.strip()] or [None]
     rows = []

@@ -110,25 +110,18 @@ class HybridDrafter(Drafter):
             q = torch.stack([r if r is not None else _one_hot(t, v) for r, t in zip(q_rows, tokens)])
         return Draft(tokens, states, q, self.name, kinds)
 
-
     def _order(self, kinds: list[str]) -> list[Drafter]:
-        """The parts in the order they are asked at the next position: the declared order, but a
-        costly part moves ahead of the free parts the budget says it beats there (forced text
-        is never overtaken in practice: its estimate is near 1)."""
+        """The parts in the order they are asked at the next position: the declared order, but the
+        first costly part moves ahead of the first free part before it that the budget says it
+        beats there (forced text is never overtaken in practice: its estimate is near 1)."""
         costly = next((p for p in self.parts if p.name in COSTLY_KINDS), None)
         if costly is None or self.budget is None:
             return self.parts
-        order: list[Drafter] = []
-        for part in self.parts:
-            if part is costly:
-                if costly not in order:
-                    order.append(part)
-                continue
-            if (costly not in order and part.name not in COSTLY_KINDS
-                    and self.budget.prefers_costly(kinds, part.name, costly.name, costly.seconds_per_token)):
-                order.append(costly)
-            order.append(part)
-        return order
+        at = self.parts.index(costly)
+        for i, part in enumerate(self.parts[:at]):  # the parts before the first costly one are free
+            if self.budget.prefers_costly(kinds, part.name, costly.name, costly.seconds_per_token):
+                return [*self.parts[:i], costly, *self.parts[i:at], *self.parts[at + 1 :]]
+        return self.parts
 
 
 def _one_hot(token: int, size: int) -> torch.Tensor:
