@@ -116,6 +116,33 @@ def test_a_failing_row_does_not_stop_the_batch(smol_tokenizer, models, compiled)
     assert good.error is None and good.result.tokens == single(target, compiled, specs[1]).tokens
 
 
+def test_a_finished_request_is_freed_without_a_garbage_collection(smol_tokenizer, models, compiled):
+    """The server's callback closes over the job that holds the request (job -> request ->
+    callback -> job): once the row is done the engine drops the callback, so the decoder, its
+    matcher's masks and its keys go at once, not at the next full collection (the soak's climb)."""
+    import gc
+    import weakref
+
+    target, _ = models
+    ids = smol_tokenizer(TEXT)["input_ids"]
+    engine = BatchEngine(target, max_batch=2)
+    gc.collect()
+    gc.disable()
+    try:
+        holder: dict = {"seen": []}
+        m = compiled[SCHEMAS[0]].matcher()
+        req = engine.submit(ids[:20], m, drafter=LookupDrafter(m), k_policy=FixedK(3), max_new_tokens=12,
+                            on_tokens=lambda toks, job=holder: job["seen"].extend(toks))
+        holder["request"] = req
+        decoder, matcher = weakref.ref(req.decoder), weakref.ref(m)
+        done = list(engine.run())
+        assert done == [req] and holder["seen"] == req.result.tokens
+        del req, done, m, holder
+        assert decoder() is None and matcher() is None
+    finally:
+        gc.enable()
+
+
 def test_cache_memory_stays_bounded_over_a_long_run(smol_tokenizer, models, compiled):
     """40 requests through 2 slots: the buffers reach the longest row's size rounded up to a
     power of two and stay there; a position costs 2 x layers x kv_heads x head_dim x 8 bytes."""

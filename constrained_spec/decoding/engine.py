@@ -155,6 +155,10 @@ class BatchEngine:
     def _close(self, req: Request) -> None:
         req.decoder.close()
         req.done = True
+        # A finished row emits nothing more. The caller's callback usually closes over what holds
+        # this request (the server's job), a reference cycle that only a full garbage collection
+        # frees, with the decoder's masks and keys inside: drop it so refcounting frees them now.
+        req.on_tokens = None
 
     def _admit(self, req: Request, finished: list[Request]) -> None:
         """Start the request (its shared prefix from the prefix cache, or computed in a pass of

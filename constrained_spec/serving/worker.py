@@ -144,6 +144,8 @@ class EngineWorker:
     def _end(self, job: Job, event: tuple[str, Any]) -> None:
         with self._lock:
             self._held -= 1
+        if job.request is not None:  # also when a broken step ended it: the callback closes over the job
+            job.request.on_tokens = None
         job.post(*event)
 
 
