@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from constrained_spec import ModelHandle, generate_json
-from constrained_spec.decoding.kpolicy import AdaptiveK, FixedK, _RECENT_ALPHA, optimal_k
+from constrained_spec.decoding.kpolicy import _RECENT_ALPHA, _RECENT_CURVE, AdaptiveK, FixedK, _CurveFit, optimal_k
 from constrained_spec.decoding.profiles import K_MAX_PROFILES, PROFILE_ENV, detect_profile, k_max_for, profile_for_device
 from tests.conftest import tiny_llama
 
@@ -47,6 +47,38 @@ def test_trim_stops_at_the_first_maximum_of_the_objective():
         assert got == best or (best == 0 and got == 1)  # 1 = the periodic probe
     assert policy.trim(["grammar"] * 12) == 12  # a likely forced span is verified whole
     assert policy.trim(["lookup"] * 12) < 12  # an unlikely guess is cut
+
+
+@pytest.mark.parametrize("truth, prior", [("linear", "concave"), ("concave", "linear"), ("linear", "linear")])
+def test_the_verify_cost_curve_takes_the_shape_the_steps_have(truth, prior):
+    """Verify passes timed with noise from a linear (int4 here: each row pays) or a concave cost
+    (float32 matmul): the fit moves to the true shape from either prior, and its predicted extra
+    cost of a 1-token and a 12-token draft is within 15% of the truth."""
+    rng = np.random.default_rng(1)
+    g = {"linear": lambda k: k, "concave": lambda k: np.log2(1 + k)}[truth]
+    r = {"linear": 0.11, "concave": 0.3}[truth]
+    fit = _CurveFit(shape=prior, prior=0.4)
+    assert fit.best_shape() == prior
+    for _ in range(100):
+        k = int(rng.choice([1, 2, 3, 5, 8, 12, 16, 20]))
+        fit.add(k, 0.08 * (1 + r * g(k)) * (1 + 0.03 * rng.standard_normal()))
+    assert fit.best_shape() == truth
+    for k in (1, 12):
+        assert fit.extra(k) == pytest.approx(r * g(k), rel=0.15)
+
+
+def test_a_cheap_linear_cost_lets_a_head_draft_where_the_concave_prior_refused():
+    """The native profile's prior (linear, +0.11 per token) against the concave r = 0.4 that long
+    forced spans' passes gave: a head at its prior acceptance 0.6 and cost 0.15 drafts two tokens
+    under the first, at most one under the second; a fitted curve is passed on with its shape."""
+    linear = AdaptiveK(12, cost_shape="linear", cost_prior=0.11)
+    concave = AdaptiveK(12, cost_shape="concave", cost_prior=0.4)
+    assert linear.draft_room([], "head", 4, 0.0) >= 2
+    assert concave.draft_room([], "head", 4, 0.0) <= 1
+    for k in [1, 4, 12, 20] * 3:
+        linear.update(["grammar"] * k, k, 0.08 * (1 + 0.11 * k), 0.0)
+    assert _RECENT_CURVE[""][0] == "linear" and _RECENT_CURVE[""][1] == pytest.approx(0.11, rel=0.1)
+    assert AdaptiveK(12)._curve.best_shape() == "linear"  # the next request starts from it
 
 
 def test_adaptive_estimates_follow_acceptance():

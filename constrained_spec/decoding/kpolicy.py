@@ -10,7 +10,8 @@ chooses K by the expected tokens per unit of time (Leviathan et al. 2023):
 For deterministic drafters (forced text, copy, lookup) the draft is free and its tokens are
 known before the target runs, so the same objective picks how much of the proposal to verify,
 with the survival probability of each position taken from the kind that drafted it, and the
-verify cost fitted as t0 (1 + r log2(1 + K)): a pass grows concavely in the tokens it checks.
+verify cost fitted as t0 (1 + r g(K)), g linear or concave (log2(1 + K)): whichever fits the
+steps, starting from the profile's (``_CurveFit``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ PRIOR_C_VERIFY = 0.1
 #: Prior cost of one token of a learned head, as a fraction of a one-token forward, until the
 #: request has timed both (and always for a seeded sampled request, which uses no timings).
 PRIOR_C_HEAD = 0.15
-#: Default prior of the concave fit verify = t0 (1 + r log2(1 + K)) where no profile gives one
+#: Default prior of the fit verify = t0 (1 + r g(K)) where no profile gives one
 #: (``profiles.verify_cost_prior``); recent requests' fits on the same model and precision
-#: replace it (``_RECENT_CURVE``, keyed by ``AdaptiveK.cost_key``).
+#: replace it (``_RECENT_CURVE``, keyed by ``AdaptiveK.cost_key``: the shape and r).
 PRIOR_R_CURVE = 0.25
+PRIOR_CURVE_SHAPE = "concave"
 _RECENT_ALPHA: dict[str, float] = {}
-_RECENT_CURVE: dict[str, float] = {}
+_RECENT_CURVE: dict[str, tuple[str, float]] = {}
 
 
 def alpha_keys(kinds: Sequence[str]) -> list[str]:
@@ -105,6 +107,18 @@ def _concave(k: int) -> float:
     return math.log2(1 + k)
 
 
+def _linear(k: int) -> float:
+    return float(k)
+
+
+#: The shapes g of a verify pass's cost t(K) = t0 (1 + r g(K)) over K drafted tokens. Concave
+#: where checking more rows costs little more (a float32 matmul here, an accelerator with room
+#: to spare); linear where each row pays on its own (the int4 kernel here: native passes over 1,
+#: 4, 12, 21 new tokens took 84, 108, 206, 266 ms, about +0.11 of a pass per token at every K,
+#: where a concave fit through the long spans' passes puts K = 1 at +0.4 and shuts the head out).
+CURVE_SHAPES: dict[str, Callable[[int], float]] = {"linear": _linear, "concave": _concave}
+
+
 def optimal_k(alpha: float, c: float, k_max: int) -> int:
     """argmax over K in 0..k_max of (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1))."""
     alpha = min(max(alpha, 1e-6), 1 - 1e-6)
@@ -120,10 +134,8 @@ def optimal_k(alpha: float, c: float, k_max: int) -> int:
 class _CostFit:
     """Least-squares fit of verify seconds = t0 + t1 * g(k), with a prior ratio until data varies.
 
-    ``g`` is the shape of the cost in K: linear for the formula with a draft model; concave
-    (``log2(1 + k)``) for trimming free drafts, which is how a verify pass grows here (a CPU
-    forward over 1, 8, 12, 20 new tokens: 31, 55, 60, 66 ms) and on an accelerator with room
-    to spare; a linear fit would overrate the cost of the long tail of a forced span.
+    ``g`` is the shape of the cost in K: linear for the formula with a draft model; one of
+    ``CURVE_SHAPES`` inside ``_CurveFit`` for trimming free drafts and sizing a head's.
     """
 
     g: Callable[[int], float] = float
@@ -161,6 +173,48 @@ class _CostFit:
 
 
 @dataclass
+class _CurveFit:
+    """The verify-cost curve t(K) = t0 (1 + r g(K)), fitted on the same steps in every shape of
+    ``CURVE_SHAPES``. The prior's shape is used until another fits clearly better (under 0.7 of
+    its squared residuals, once 8 steps span a range of K); the other shapes' priors are the
+    prior's r converted so that all predict the same cost at K = 8."""
+
+    shape: str = PRIOR_CURVE_SHAPE
+    prior: float = PRIOR_R_CURVE
+    fits: dict[str, _CostFit] = field(init=False)
+
+    def __post_init__(self) -> None:
+        at8 = self.prior * CURVE_SHAPES[self.shape](8)
+        self.fits = {name: _CostFit(g=g, prior=at8 / g(8)) for name, g in CURVE_SHAPES.items()}
+
+    @property
+    def n(self) -> float:
+        """Steps fitted so far."""
+        return self.fits[self.shape].n
+
+    def add(self, k: int, t: float) -> None:
+        for fit in self.fits.values():
+            fit.add(k, t)
+
+    def best_shape(self) -> str:
+        """The shape the decisions use now."""
+        own = self.fits[self.shape].sums
+        if own.n < 8 or own.spread / own.n**2 < 0.25:
+            return self.shape
+        best = min(self.fits, key=lambda name: self.fits[name].sums.residual())
+        return best if self.fits[best].sums.residual() < 0.7 * own.residual() else self.shape
+
+    def ratio(self) -> float:
+        """r of the shape in use."""
+        return self.fits[self.best_shape()].ratio()
+
+    def extra(self, k: int) -> float:
+        """r g(K): the cost of verifying ``k`` drafted tokens beyond a plain pass, over a plain pass."""
+        shape = self.best_shape()
+        return self.fits[shape].ratio() * CURVE_SHAPES[shape](k)
+
+
+@dataclass
 class AdaptiveK:
     """Online acceptance and cost estimates; K from the expected-throughput formula.
 
@@ -174,6 +228,7 @@ class AdaptiveK:
             verifier's random draws depend on how many tokens each step verifies). The cost
             model then stays at its prior. Used whenever ``seed`` is given with temperature > 0.
         cost_prior: the verify-cost curve's r before any timing (``profiles.verify_cost_prior``).
+        cost_shape: that curve's shape before the timings say otherwise ("linear" or "concave").
         cost_key: which model and precision the timings come from; recent fits seed only
             requests with the same key (a native forward's cost grows twice as fast with K as
             a float32 one's).
@@ -185,13 +240,14 @@ class AdaptiveK:
     costly_kind: str = "model"
     deterministic: bool = False
     cost_prior: float = PRIOR_R_CURVE
+    cost_shape: str = PRIOR_CURVE_SHAPE
     cost_key: str = ""
     decay: float = 0.9
     prior_weight: float = 4.0
     _succ: dict[str, float] = field(default_factory=dict)
     _trials: dict[str, float] = field(default_factory=dict)
     _cost: _CostFit = field(default_factory=_CostFit)
-    _curve: _CostFit = field(init=False)
+    _curve: _CurveFit = field(init=False)
     _draft_per_token: float = 0.0
     _skipped: int = 0
     _skipped_costly: int = 0
@@ -201,8 +257,9 @@ class AdaptiveK:
         # Seed this request from what recent requests measured (a snapshot: this request's
         # own updates must not feed back into its prior).
         self._seed = dict(PRIOR_ALPHA) if self.deterministic else {**PRIOR_ALPHA, **_RECENT_ALPHA}
-        recent_r = None if self.deterministic else _RECENT_CURVE.get(self.cost_key)
-        self._curve = _CostFit(g=_concave, prior=self.cost_prior if recent_r is None else recent_r)
+        recent = None if self.deterministic else _RECENT_CURVE.get(self.cost_key)
+        shape, r = recent if recent is not None else (self.cost_shape, self.cost_prior)
+        self._curve = _CurveFit(shape=shape, prior=r)
 
     def alpha(self, kind: str) -> float:
         """Current acceptance estimate of a kind, seeded from recent requests or the prior."""
@@ -234,8 +291,7 @@ class AdaptiveK:
         drawn. Looking further ahead would make the verified length depend on sampled draft
         tokens and bias the output distribution.
         """
-        r = self._curve.ratio()
-        keep = self._best_prefix(kinds[: self.k_max], lambda j: r * _concave(j))
+        keep = self._best_prefix(kinds[: self.k_max], self._curve.extra)
         if keep == 0 and kinds:
             # Probe now and then, so an estimate that fell too low can recover.
             self._skipped += 1
@@ -264,17 +320,17 @@ class AdaptiveK:
         prior ``PRIOR_C_HEAD`` until both are timed). Decided before any of them is drawn, so
         the output law is untouched; a draft that does not pay is not drafted."""
         c = self._costly_ratio(seconds_per_token)
-        r = self._curve.ratio()
+        extra = self._curve.extra
         base = len(kinds)
         keys = alpha_keys([*kinds, *([kind] * room)])
         survive, expected = 1.0, 1.0
         for key in keys[:base]:
             survive *= self.alpha(key)
             expected += survive
-        value, keep = expected / (1 + r * _concave(base)), 0
+        value, keep = expected / (1 + extra(base)), 0
         for j, key in enumerate(keys[base:], start=1):
             survive *= self.alpha(key)
-            nxt = (expected + survive) / (1 + r * _concave(base + j) + c * j)
+            nxt = (expected + survive) / (1 + extra(base + j) + c * j)
             if nxt <= value + 1e-12:
                 break
             expected, value, keep = expected + survive, nxt, j
@@ -334,7 +390,7 @@ class AdaptiveK:
             self._cost.add(k, verify_seconds)
             self._curve.add(k, verify_seconds)
             if self._curve.n >= 4:
-                _RECENT_CURVE[self.cost_key] = self._curve.ratio()
+                _RECENT_CURVE[self.cost_key] = (self._curve.best_shape(), self._curve.ratio())
         if k and self.costly_draft and draft_seconds > 0:
             per = draft_seconds / k
             self._draft_per_token = per if not self._draft_per_token else 0.8 * self._draft_per_token + 0.2 * per

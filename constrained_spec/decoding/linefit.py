@@ -15,6 +15,7 @@ class LineSums:
     sxx: float = 0.0
     sy: float = 0.0
     sxy: float = 0.0
+    syy: float = 0.0
 
     def add(self, x: float, y: float) -> None:
         """Fold one point in."""
@@ -23,6 +24,7 @@ class LineSums:
         self.sxx += x * x
         self.sy += y
         self.sxy += x * y
+        self.syy += y * y
 
     @property
     def spread(self) -> float:
@@ -33,3 +35,9 @@ class LineSums:
         """``(intercept, slope)`` of the least-squares line; needs ``spread > 0``."""
         slope = (self.n * self.sxy - self.sx * self.sy) / self.spread
         return (self.sy - slope * self.sx) / self.n, slope
+
+    def residual(self) -> float:
+        """The least-squares line's sum of squared residuals (needs ``spread > 0``)."""
+        sxy = self.sxy - self.sx * self.sy / self.n
+        syy = self.syy - self.sy * self.sy / self.n
+        return max(0.0, syy - sxy * sxy / (self.spread / self.n))

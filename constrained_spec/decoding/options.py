@@ -137,9 +137,10 @@ class SpecOptions:
             return FixedK(k_max)
         # A seeded sampled request must not depend on timings or on earlier requests.
         deterministic = self.seed is not None and self.temperature > 0
+        shape, r = verify_cost_prior(profile, precision)
         return AdaptiveK(k_max, costly_draft=self.drafter in ("model", "head"),
                          costly_kind=self.drafter if self.drafter in ("model", "head") else "model", deterministic=deterministic,
-                         cost_prior=verify_cost_prior(profile, precision), cost_key=f"{model}:{precision}")
+                         cost_prior=r, cost_shape=shape, cost_key=f"{model}:{precision}")
 
 
 def _is_int(value: Any) -> bool:

@@ -31,17 +31,20 @@ K_MAX_PROFILES: dict[str, dict[str, int]] = {
     "cpu": {"text": 4, "code": 4, "json": 20, "chat": 4},
 }
 
-#: Prior r of the verify-cost curve t(K) = t0 (1 + r log2(1 + K)) by (profile, precision); the
-#: adaptive policy refits it online. Measured on the 2-core CPU with SmolLM2-135M after a
-#: 100-token prompt, about half the verified rows needing logits (median of 15): float32 t0 58 ms,
-#: K = 8 / 16 / 24 at 87 / 101 / 112 ms (r ~0.2); native t0 32 ms, 59 / 79 / 91 ms (r ~0.4): the
-#: int4 kernel and the float64 attention grow with the rows where float32 matmul barely does.
-VERIFY_COST_PRIORS: dict[tuple[str, str], float] = {("cpu", "float32"): 0.25, ("cpu", "native"): 0.4}
-DEFAULT_VERIFY_COST = 0.25
+#: Prior shape and r of the verify-cost curve t(K) = t0 (1 + r g(K)) by (profile, precision)
+#: (``kpolicy.CURVE_SHAPES``); the adaptive policy refits both online. Measured on the 2-core CPU
+#: with SmolLM2-135M: float32 after a 100-token prompt, t0 58 ms, K = 8 / 16 / 24 at 87 / 101 /
+#: 112 ms (concave, r ~0.2); native with ``constrained-spec bench --profile-forward`` (300-token
+#: prompt), 1 / 4 / 12 / 21 new tokens at 84 / 108 / 206 / 266 ms: linear, +0.10 / 0.13 / 0.11
+#: of a pass per token (the int4 kernel and the float64 attention pay per row).
+VERIFY_COST_PRIORS: dict[tuple[str, str], tuple[str, float]] = {("cpu", "float32"): ("concave", 0.25),
+                                                                ("cpu", "native"): ("linear", 0.11)}
+DEFAULT_VERIFY_COST = ("concave", 0.25)
 
 
-def verify_cost_prior(profile: str, precision: str) -> float:
-    """The verify-cost curve's prior r for a profile and a model precision (0.25 if unmeasured)."""
+def verify_cost_prior(profile: str, precision: str) -> tuple[str, float]:
+    """The verify-cost curve's prior shape and r for a profile and a model precision (concave,
+    0.25 if unmeasured)."""
     return VERIFY_COST_PRIORS.get((profile, precision), DEFAULT_VERIFY_COST)
 
 
