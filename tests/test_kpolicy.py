@@ -140,3 +140,19 @@ def test_stats_report_profile_and_k_max(smol_tokenizer):
     _, stats = generate_json(handle, schema, "ok?", profile="gb200-nvl72", adaptive=False, return_stats=True)
     assert (stats.profile, stats.k_max, stats.k_policy) == ("gb200-nvl72", 12, "FixedK")
     assert max(stats.ks) <= 12
+
+
+def test_a_costly_draft_that_keeps_failing_is_probed_ever_more_rarely():
+    """A head whose estimate says it does not pay is still tried now and then (an estimate that
+    fell too low must recover): after 8 skipped positions, then 16, 32, 64, 64 while its probes
+    are rejected, and after 8 again once one is accepted."""
+    policy = AdaptiveK(12, cost_shape="linear", cost_prior=0.11)
+    policy._seed["head"] = 0.05
+    probes, accept_from = [], 5
+    for i in range(400):
+        if policy.draft_room([], "head", 4, 0.0):
+            probes.append(i)
+            policy.update(["head"], int(len(probes) > accept_from), None, 0.0)
+    gaps = [b - a for a, b in zip([-1, *probes], probes)]
+    assert gaps[:6] == [8, 16, 32, 64, 64, 64]
+    assert gaps[6] == 8  # the 6th probe was accepted

@@ -39,6 +39,8 @@ PRIOR_C_HEAD = 0.15
 #: replace it (``_RECENT_CURVE``, keyed by ``AdaptiveK.cost_key``: the shape and r).
 PRIOR_R_CURVE = 0.25
 PRIOR_CURVE_SHAPE = "concave"
+#: The estimates of a costly kind's first token of a run (a learned head, a draft model).
+COSTLY_ALPHA_KEYS = ("head", "model")
 _RECENT_ALPHA: dict[str, float] = {}
 _RECENT_CURVE: dict[str, tuple[str, float]] = {}
 
@@ -251,6 +253,10 @@ class AdaptiveK:
     _draft_per_token: float = 0.0
     _skipped: int = 0
     _skipped_costly: int = 0
+    #: Skipped costly drafts between two probes: doubles (up to 64) each time the first token of
+    #: a costly run is rejected, back to 8 when one is accepted (a head that is wrong where it is
+    #: asked costs a feed, a draft token and a verified row per probe).
+    _costly_probe_gap: int = 8
     _seed: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -337,8 +343,8 @@ class AdaptiveK:
         if keep == 0 and room:
             # Probe now and then (as trim does), so an estimate that fell too low can recover.
             self._skipped_costly += 1
-            if self._skipped_costly % 8 == 0:
-                keep = 1
+            if self._skipped_costly >= self._costly_probe_gap:
+                self._skipped_costly, keep = 0, 1
         return keep
 
     def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
@@ -381,6 +387,8 @@ class AdaptiveK:
         for i, key in enumerate(keys[: accepted + 1]):  # positions after the first rejection were not examined
             self._trials[key] += 1
             self._succ[key] += i < accepted
+            if key in COSTLY_ALPHA_KEYS:
+                self._costly_probe_gap = 8 if i < accepted else min(64, 2 * self._costly_probe_gap)
         if self.deterministic:
             return  # no timings, and nothing passed on to other requests
         for key in set(keys):

@@ -271,6 +271,7 @@ class HeadDrafter(Drafter):
         self.taps = head.config.taps
         self.seconds = 0.0
         self._t_synced = 0.0
+        self._fed_prompt = False
         #: The law's size: the target's logits (the matcher's vocabulary may be shorter: padding rows).
         self.size = max(head._embed[0].num_embeddings, matcher.vocab.size)
         self._in_vocab = torch.zeros(self.size, dtype=torch.bool)
@@ -396,9 +397,10 @@ class HeadDrafter(Drafter):
         t2 = time.perf_counter()
         self.seconds += t2 - t0
         if draft.tokens:  # what the K policy weighs this drafter's tokens by (a moving average)
-            # Per drafted token, without catching up on the context (the prompt's pairs are fed
-            # once, at the first proposal; later steps feed only what was accepted).
-            per = (t2 - self._t_synced) / len(draft.tokens)
+            # Per drafted token, feeding the pairs accepted since the last proposal included (a
+            # head asked rarely catches up on many), the prompt's own pairs not: they are fed
+            # once, at a request's first proposal, whatever follows.
+            per = (t2 - (self._t_synced if self._fed_prompt else t0)) / len(draft.tokens)
             self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
         return draft
 
@@ -410,6 +412,7 @@ class HeadDrafter(Drafter):
             if not self.tokens:
                 return self.empty(state)
         seen = self.start + len(self.tokens)  # positions with target features
+        self._fed_prompt = self.fed == 0
         h, logits = self._sync(context[seen])  # type: ignore[misc]
         self._t_synced = time.perf_counter()
         pos = seen
