@@ -303,3 +303,33 @@ def test_a_preferred_head_drafts_where_lookup_could_and_the_output_is_unchanged(
         kinds[type(policy).__name__] = res.stats.per_kind
     assert kinds["HeadFirst"].get("head", {}).get("drafted", 0) > kinds["FixedK"].get("head", {}).get("drafted", 0)
     assert kinds["HeadFirst"].get("lookup", {}).get("drafted", 0) < kinds["FixedK"].get("lookup", {}).get("drafted", 0)
+
+
+def test_the_hybrid_asks_its_free_parts_most_likely_first(setup):
+    """Without a budget the declared order; with one, the free parts by their acceptance
+    estimates at the next position (copies that keep failing go after lookup) and the head
+    ahead of the first free part it beats."""
+    from constrained_spec.decoding import AdaptiveK
+    from constrained_spec.drafters.base import Drafter
+    from constrained_spec.drafters.hybrid import HybridDrafter
+
+    _, compiled, _, head = setup
+    m = compiled.matcher()
+
+    class Named(Drafter):
+        def __init__(self, matcher, name):
+            super().__init__(matcher)
+            self.name = name
+
+    hybrid = HybridDrafter([Named(m, "grammar"), Named(m, "copy"), Named(m, "lookup"), HeadDrafter(head, m)])
+    names = lambda kinds: [p.name for p in hybrid._order(kinds)]  # noqa: E731
+    assert names([]) == ["grammar", "copy", "lookup", "head"]
+    hybrid.set_draft_budget(FixedK(4))
+    assert names([]) == ["grammar", "copy", "lookup", "head"]
+    policy = AdaptiveK(8, deterministic=True)  # priors: grammar 0.85, copy 0.6, lookup 0.5, head 0.6 less 0.15
+    hybrid.set_draft_budget(policy)
+    assert names([]) == ["grammar", "copy", "lookup", "head"]
+    assert names(["lookup"]) == ["grammar", "lookup", "copy", "head"]  # "lookup+" 0.75 continues its span
+    for _ in range(20):  # copies rejected at their first token
+        policy.update(["copy"], 0, None, 0.0)
+    assert names([]) == ["grammar", "lookup", "head", "copy"]

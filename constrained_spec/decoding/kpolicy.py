@@ -73,6 +73,9 @@ class KPolicy(Protocol):
     def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
         """Whether the costly kind should draft the next position before a free part of ``free_kind``."""
 
+    def rank_free(self, kinds: Sequence[str], free_kinds: Sequence[str]) -> list[int]:
+        """The order in which free parts are asked for the next position."""
+
 
 @dataclass
 class FixedK:
@@ -103,6 +106,10 @@ class FixedK:
     def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
         """Never: the baseline keeps the drafter's own order."""
         return False
+
+    def rank_free(self, kinds: Sequence[str], free_kinds: Sequence[str]) -> list[int]:
+        """The declared order."""
+        return list(range(len(free_kinds)))
 
 
 def _concave(k: int) -> float:
@@ -359,6 +366,15 @@ class AdaptiveK:
         free = alpha_keys([*kinds, free_kind])[-1]
         costly = alpha_keys([*kinds, costly_kind])[-1]
         return self.alpha(costly) - self._costly_ratio(seconds_per_token) > self.alpha(free)
+
+    def rank_free(self, kinds: Sequence[str], free_kinds: Sequence[str]) -> list[int]:
+        """Free parts (forced text, a copy, lookup) by their acceptance estimate at the next
+        position, highest first, the declared order among equals: each is free to propose, but
+        the first with a proposal takes the position, and where copies are mostly wrong
+        (values the model writes itself) lookup's spans should come first, where they are
+        right (extraction) copies. Decided from the kinds so far and past estimates only."""
+        est = [self.alpha(alpha_keys([*kinds, kind])[-1]) for kind in free_kinds]
+        return sorted(range(len(free_kinds)), key=lambda i: -est[i])
 
     def _costly_ratio(self, seconds_per_token: float) -> float:
         """A costly draft token's own cost over a one-token pass (``PRIOR_C_HEAD`` until both are

@@ -21,7 +21,8 @@ from ..constraint import Matcher, State
 
 
 class DraftBudget(Protocol):
-    """What a composite drafter asks the K policy before a learned (costly) part drafts."""
+    """What a composite drafter asks the K policy: which part drafts the next position, and how
+    many tokens a learned (costly) part should draft."""
 
     def draft_room(self, kinds: Sequence[str], kind: str, room: int, seconds_per_token: float) -> int:
         """Tokens (at most ``room``) of the costly ``kind`` worth drafting after ``kinds``."""
@@ -29,6 +30,10 @@ class DraftBudget(Protocol):
     def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
         """Whether, after ``kinds``, the costly kind should draft the next position before a
         free part of ``free_kind`` that could (its acceptance estimate, less its cost, is higher)."""
+
+    def rank_free(self, kinds: Sequence[str], free_kinds: Sequence[str]) -> list[int]:
+        """The order (indices into ``free_kinds``) in which free parts are asked for the next
+        position after ``kinds``: the most likely to be accepted there first."""
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The hybrid drafter: forced text first, then a copy from the prompt, then lookup, then a draft model."""
+"""The hybrid drafter: forced text, a copy from the prompt and lookup (asked most likely first when
+the K policy ranks them), then a learned head or a draft model."""
 
 from __future__ import annotations
 
@@ -111,17 +112,23 @@ class HybridDrafter(Drafter):
         return Draft(tokens, states, q, self.name, kinds)
 
     def _order(self, kinds: list[str]) -> list[Drafter]:
-        """The parts in the order they are asked at the next position: the declared order, but the
-        first costly part moves ahead of the first free part before it that the budget says it
-        beats there (forced text is never overtaken in practice: its estimate is near 1)."""
-        costly = next((p for p in self.parts if p.name in COSTLY_KINDS), None)
-        if costly is None or self.budget is None:
+        """The parts in the order they are asked at the next position: the free parts before the
+        first costly one ranked by the budget (their acceptance estimates there), then the first
+        costly part moved ahead of the first free part it beats (forced text is never overtaken
+        in practice: its estimate is near 1). Without a budget, the declared order."""
+        if self.budget is None:
             return self.parts
-        at = self.parts.index(costly)
-        for i, part in enumerate(self.parts[:at]):  # the parts before the first costly one are free
+        at = next((i for i, p in enumerate(self.parts) if p.name in COSTLY_KINDS), len(self.parts))
+        free = self.parts[:at]
+        if len(free) > 1:
+            free = [free[i] for i in self.budget.rank_free(kinds, [p.name for p in free])]
+        if at == len(self.parts):
+            return free
+        costly = self.parts[at]
+        for i, part in enumerate(free):
             if self.budget.prefers_costly(kinds, part.name, costly.name, costly.seconds_per_token):
-                return [*self.parts[:i], costly, *self.parts[i:at], *self.parts[at + 1 :]]
-        return self.parts
+                return [*free[:i], costly, *free[i:], *self.parts[at + 1 :]]
+        return [*free, *self.parts[at:]]
 
 
 def _one_hot(token: int, size: int) -> torch.Tensor:
