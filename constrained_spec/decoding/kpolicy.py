@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from ..drafters.hybrid import COSTLY_KINDS
 from .linefit import LineSums
 
 #: Priors for alpha per drafter kind (seeds before any request has been seen), overwritten by
@@ -39,8 +40,6 @@ PRIOR_C_HEAD = 0.15
 #: replace it (``_RECENT_CURVE``, keyed by ``AdaptiveK.cost_key``: the shape and r).
 PRIOR_R_CURVE = 0.25
 PRIOR_CURVE_SHAPE = "concave"
-#: The estimates of a costly kind's first token of a run (a learned head, a draft model).
-COSTLY_ALPHA_KEYS = ("head", "model")
 _RECENT_ALPHA: dict[str, float] = {}
 _RECENT_CURVE: dict[str, tuple[str, float]] = {}
 
@@ -195,6 +194,7 @@ class _CurveFit:
     def __post_init__(self) -> None:
         at8 = self.prior * CURVE_SHAPES[self.shape](8)
         self.fits = {name: _CostFit(g=g, prior=at8 / g(8)) for name, g in CURVE_SHAPES.items()}
+        self._refit()
 
     @property
     def n(self) -> float:
@@ -204,23 +204,31 @@ class _CurveFit:
     def add(self, k: int, t: float) -> None:
         for fit in self.fits.values():
             fit.add(k, t)
+        self._refit()
 
-    def best_shape(self) -> str:
-        """The shape the decisions use now."""
+    def _refit(self) -> None:
+        # Once per step fitted, not at every position a trim or a head's room weighs.
+        self._best = self._choose_shape()
+        self._r = self.fits[self._best].ratio()
+
+    def _choose_shape(self) -> str:
         own = self.fits[self.shape].sums
         if own.n < 8 or own.spread / own.n**2 < 0.25:
             return self.shape
         best = min(self.fits, key=lambda name: self.fits[name].sums.residual())
         return best if self.fits[best].sums.residual() < 0.7 * own.residual() else self.shape
 
+    def best_shape(self) -> str:
+        """The shape the decisions use now."""
+        return self._best
+
     def ratio(self) -> float:
         """r of the shape in use."""
-        return self.fits[self.best_shape()].ratio()
+        return self._r
 
     def extra(self, k: int) -> float:
         """r g(K): the cost of verifying ``k`` drafted tokens beyond a plain pass, over a plain pass."""
-        shape = self.best_shape()
-        return self.fits[shape].ratio() * CURVE_SHAPES[shape](k)
+        return self._r * CURVE_SHAPES[self._best](k)
 
 
 @dataclass
@@ -403,7 +411,7 @@ class AdaptiveK:
         for i, key in enumerate(keys[: accepted + 1]):  # positions after the first rejection were not examined
             self._trials[key] += 1
             self._succ[key] += i < accepted
-            if key in COSTLY_ALPHA_KEYS:
+            if key in COSTLY_KINDS:  # the first token of a costly run
                 self._costly_probe_gap = 8 if i < accepted else min(64, 2 * self._costly_probe_gap)
         if self.deterministic:
             return  # no timings, and nothing passed on to other requests
