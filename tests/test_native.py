@@ -78,6 +78,35 @@ def test_fused_layers_equal_the_separate_ones_bit_for_bit():
         FusedInt4([Int4Linear.from_q4_1(random_q4_1(n, 128), (n, 128)) for n in (64, 32, 32)])
 
 
+def test_prompt_rows_take_the_dense_path_and_new_rows_keep_their_bits():
+    """With ``prompt_weight`` and a row split, long prompt segments go through a float32 matmul
+    over the stored weights (float16), short ones and every new row through the kernel, so a
+    new row has the same bits whatever prompt rows share its forward."""
+    from constrained_spec.models.int4 import MIN_DENSE_ROWS
+    from constrained_spec.models.invariant import RowSplit
+
+    n, k = 64, 128
+    raw = random_q4_1(n, k, seed=5)
+    exact = torch.from_numpy(dequantize_q4_1(raw, (n, k)))
+    kernel = Int4Linear.from_q4_1(raw, (n, k))
+    layer = Int4Linear.from_q4_1(raw, (n, k))
+    layer.prompt_weight = exact.to(torch.float16)
+    layer.rows = split = RowSplit()
+    long, short, new = MIN_DENSE_ROWS + 3, MIN_DENSE_ROWS - 1, 5
+    x = torch.randn(1, long + new + short + new, k, generator=torch.Generator().manual_seed(6))
+    split.segments = [(0, long), (long + new, short)]
+    y = layer(x)[0]
+    dense = torch.nn.functional.linear(x[0, :long], exact.to(torch.float16).float())
+    assert torch.equal(y[:long], dense)
+    assert not torch.equal(dense, kernel(x[0, :long]))  # the kernel rounds to bfloat16: a different path
+    assert (dense - x[0, :long] @ exact.T).abs().max() <= 1e-3 * dense.abs().max()
+    assert torch.equal(y[long + new : long + new + short], kernel(x[0, long + new : long + new + short]))
+    for start in (long, long + new + short):  # new rows: the kernel's bits
+        assert torch.equal(y[start : start + new], kernel(x[0, start : start + new]))
+    split.segments = []
+    assert torch.equal(layer(x), kernel(x))
+
+
 def test_bad_precision_is_refused():
     with pytest.raises(ModelLoadError, match="Invalid precision"):
         load_model(precision="int3")

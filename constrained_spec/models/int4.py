@@ -11,11 +11,20 @@ unvectorized here: 20-85x slower than a float32 matmul.)
 
 The kernel computes every output row on its own, so a row's result is bit-identical whether
 it is computed alone or among any number of rows (tested): what batch-invariant decoding needs.
+
+It pays for that per row: about 2.5x what a float32 matmul pays per row of a long input
+(measured here on the 576 x 3072 gate/up matrix: 23.3 ms for 300 rows against 9.5 ms), so a
+prompt took 6 ms a token and 86% of its time in this kernel. Prompt rows need no invariance
+(``models.invariant``: the same rows with the same keys in every run of a request), so a
+layer given ``prompt_weight`` (the stored weights in float16: half of float32's bytes, 2^-11
+relative, 8x closer than bfloat16) and a row split (``rows``, set by ``make_batch_invariant``)
+sends prompt segments of at least ``MIN_DENSE_ROWS`` rows through a float32 matmul instead.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +33,12 @@ from torch import nn
 GROUP = 32
 #: Bytes of one Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles.
 Q4_1_BLOCK_BYTES = 20
+#: Prompt segments shorter than this stay on the kernel: the dense path converts every layer's
+#: float16 weights to float32 and reads them back (about 1 GB of memory traffic a prompt),
+#: which a few rows do not repay. Measured here (whole prompt passes, ms, kernel / dense): 16
+#: rows 130 / 198, 32 rows 200 / 217, 64 rows 330-390 / 284, 100 rows 580-760 / 445, 300 rows
+#: 1,580-1,650 / 958.
+MIN_DENSE_ROWS = 48
 
 
 def unpack_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -51,16 +66,21 @@ class Int4Linear(nn.Module):
 
     Inputs of any float dtype are rounded to bfloat16 for the kernel; the output comes back in
     the input's dtype. ``packed``: uint8 ``[N, K/2]`` in the kernel's layout; ``scales_and_zeros``:
-    bfloat16 ``[K/32, N, 2]``.
+    bfloat16 ``[K/32, N, 2]``. ``prompt_weight`` (float16 ``[N, K]``) and ``rows`` (a
+    ``models.invariant.RowSplit``): the dense path of prompt rows (see the module docstring).
     """
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
-                 out_features: int) -> None:
+                 out_features: int, prompt_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.register_buffer("packed", packed, persistent=True)
         self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=True)
+        # A plain attribute, not a buffer: decode and verify rows never read it, so it is not
+        # among the bytes a forward's profile counts (``forward_profile``).
+        self.prompt_weight = prompt_weight
+        self.rows: Any = None
 
     @staticmethod
     def from_q4_1(raw: np.ndarray, shape: tuple[int, int], row_order: np.ndarray | None = None) -> "Int4Linear":
@@ -75,9 +95,20 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
+        if self.rows is not None and self.prompt_weight is not None:
+            return self.rows.apply(x, self._prompt, self._kernel)
+        return self._kernel(x)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _prompt(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows: a float32 matmul over the stored weights once there are enough of them."""
+        if x.shape[-2] < MIN_DENSE_ROWS or self.prompt_weight is None:
+            return self._kernel(x)
+        return nn.functional.linear(x.float(), self.prompt_weight.float()).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 (int4 kernel)"
@@ -99,9 +130,11 @@ class FusedInt4:
         if not self.can_fuse(layers):
             raise ValueError(f"Cannot fuse int4 layers of {[m.out_features for m in layers]} rows: the packed "
                              f"layout holds whole blocks of {PACK_BLOCK_N} rows, so each must have a multiple of it.")
+        dense = [m.prompt_weight for m in layers]
         self.layer = Int4Linear(torch.cat([m.packed for m in layers]),
                                 torch.cat([m.scales_and_zeros for m in layers], dim=1),
-                                in_features=layers[0].in_features, out_features=sum(m.out_features for m in layers))
+                                in_features=layers[0].in_features, out_features=sum(m.out_features for m in layers),
+                                prompt_weight=torch.cat(dense) if all(w is not None for w in dense) else None)
         self.sizes = [m.out_features for m in layers]
         self._local = threading.local()  # forwards in two threads must not read each other's outputs
 
