@@ -81,7 +81,7 @@ def test_a_joining_prompt_gets_its_own_first_pass_bit_for_bit(native, monkeypatc
         dec = _decoder(smol, compiled, prompt, prefix_len, cache)
         dec.begin()
         plan = dec.plan()
-        logits = dec._forward(plan.tokens, plan.rows, plan.first)
+        logits = dec._forward(plan.tokens, plan.rows, plan.first, plan.subsets)
         keys = [layer.keys[0].double() for layer in dec.cache.layers]
         reference.append((plan.tokens, logits, keys, len(plan.draft.tokens)))
         dec.close()

@@ -17,6 +17,7 @@ from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
 from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from .kpolicy import FixedK, KPolicy
+from .logits import allowed_subset, project_rows, supports_subsets
 from .prefix import PrefixCache, prefill_prefix
 from .repetition import first_repetition
 from .stats import DecodeResult, DecodeStats
@@ -27,7 +28,9 @@ from .verifier import masked_probs, verify_greedy, verify_sampled
 class StepPlan:
     """What one step feeds the target: ``tokens`` (the pending prompt, the last token, the
     draft), the positions that need logits (``rows``, each >= ``first``, the number of prompt
-    tokens in front), the draft and the masks along its path; timestamps for the stats."""
+    tokens in front), the draft and the masks along its path; timestamps for the stats;
+    ``subsets``: per row of ``rows``, the token ids its logits are computed over when its state
+    allows few (``decoding.logits``), None for the whole vocabulary."""
 
     tokens: list[int]
     rows: list[int]
@@ -37,14 +40,22 @@ class StepPlan:
     t0: float
     t1: float
     tc: float
+    subsets: list[torch.Tensor | None] | None = None
+
+    def row_subsets(self) -> list[torch.Tensor | None]:
+        """``subsets``, or None for every row (the whole vocabulary)."""
+        return self.subsets if self.subsets is not None else [None] * len(self.rows)
 
     def cut(self, k: int) -> "StepPlan":
         """This plan with its draft cut to its first ``k`` tokens (a batch's step budget)."""
         if k >= len(self.draft.tokens):
             return self
         front = self.first + 1
-        return StepPlan(self.tokens[: front + k], [r for r in self.rows if r < front + k], self.first,
-                        self.draft.prefix(k), self.masks[: k + 1], self.t0, self.t1, self.tc)
+        kept = [i for i, r in enumerate(self.rows) if r < front + k]
+        subsets = self.row_subsets()
+        return StepPlan(self.tokens[: front + k], [self.rows[i] for i in kept], self.first,
+                        self.draft.prefix(k), self.masks[: k + 1], self.t0, self.t1, self.tc,
+                        [subsets[i] for i in kept])
 
 
 class SpeculativeDecoder:
@@ -137,6 +148,9 @@ class SpeculativeDecoder:
         self.cache = DynamicCache(config=target.config)
         self.last = self.prompt_ids[-1]
         self._single: dict[State, bool] = {}
+        #: Per state, the ids its logits are computed over (``decoding.logits``); None: all.
+        self._subsets: dict[State, torch.Tensor | None] = {}
+        self._use_subsets = supports_subsets(target)
         self._pending: list[int] = []
         self.stats = DecodeStats(drafter=drafter.name if drafter else "none", prompt_tokens=len(prompt_ids),
                                  backend=matcher.compiled.backend, relaxed=list(matcher.compiled.warnings),
@@ -160,18 +174,24 @@ class SpeculativeDecoder:
         return self.matcher.state
 
     @torch.no_grad()
-    def _forward(self, ids: list[int], rows: list[int], first: int = 0) -> torch.Tensor:
+    def _forward(self, ids: list[int], rows: list[int], first: int = 0,
+                 subsets: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
         """Feed ``ids`` through the target with the cache; logits ``[len(ids) - first, V]`` for
         positions ``first..``, where only the listed ``rows`` (each >= ``first``) are computed and
         the others are zero: the vocabulary projection is a fifth of a forward here, so rows
-        nobody reads are skipped."""
-        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        nobody reads are skipped, and a row with a subset (``decoding.logits``) is computed over
+        those ids only."""
         extra: dict[str, Any] = {"prompt_rows": first} if self._batch_invariant else {}  # see models.invariant
         taps = self.feature_layers
         if taps:  # a learned head reads the target's hidden states: this forward returns them
             extra["output_hidden_states"] = True
-        out = self.target(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True,
-                          logits_to_keep=keep, **extra)
+        input_ids = torch.tensor([ids], device=self.device)
+        if self._use_subsets:
+            out = self.target.base_model(input_ids=input_ids, cache=self.cache, use_cache=True, **extra)
+            hidden = out.last_hidden_state[0, rows]
+        else:
+            out = self.target(input_ids=input_ids, cache=self.cache, use_cache=True,
+                              logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device), **extra)
         if taps:
             self._features = tap_features(out.hidden_states, taps, 0, len(ids))
         if not self.stats.target_forwards and self.cache.get_seq_length() != self._prefilled + len(ids):
@@ -179,7 +199,10 @@ class SpeculativeDecoder:
 
             raise ModelLoadError(f"transformers {transformers.__version__} did not fill the KV cache passed as "
                                  "cache= (older 5.x releases ignore it); install transformers>=5.24.")
-        logits = out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
+        if self._use_subsets:
+            logits = project_rows(self.target, hidden, subsets if subsets is not None else [None] * len(rows))
+        else:
+            logits = out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
         full = torch.zeros(len(ids) - first, logits.shape[-1], dtype=logits.dtype)
         full[[r - first for r in rows]] = logits
         return full
@@ -190,6 +213,12 @@ class SpeculativeDecoder:
         if single is None:
             single = self._single[state] = int(mask.sum()) == 1
         return single
+
+    def _subset(self, state: State, mask: torch.Tensor) -> torch.Tensor | None:
+        """The ids ``state``'s logits are computed over, None for all (``decoding.logits``)."""
+        if state not in self._subsets:
+            self._subsets[state] = allowed_subset(mask)
+        return self._subsets[state]
 
     def start(self) -> None:
         """Reset the drafter, feed the shared prefix if the request names one (from the prefix
@@ -229,8 +258,10 @@ class SpeculativeDecoder:
             raise self._dead_end()
         pending, self._pending = self._pending, []
         first = len(pending)
-        rows = [first + i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
-        return StepPlan([*pending, self.last, *draft.tokens], rows, first, draft, masks, t0, t1, time.perf_counter())
+        read = [i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
+        subsets = [self._subset(draft.states[i], masks[i]) for i in read] if self._use_subsets else None
+        return StepPlan([*pending, self.last, *draft.tokens], [first + i for i in read], first, draft, masks, t0, t1,
+                        time.perf_counter(), subsets)
 
     def finish(self, plan: StepPlan, logits: torch.Tensor, forward_seconds: float,
                prompt_seconds: float | None = None) -> tuple[list[int], int]:
@@ -347,7 +378,7 @@ class SpeculativeDecoder:
         # step) -> logits for k + 1 positions, masked.
         tc = time.perf_counter()
         start = self.cache.get_seq_length()
-        logits = self._forward(plan.tokens, plan.rows, plan.first)  # [k+1, V]
+        logits = self._forward(plan.tokens, plan.rows, plan.first, plan.subsets)  # [k+1, V]
         emitted, dropped = self.finish(plan, logits, time.perf_counter() - tc)
         # 5. Roll back: drop the rejected positions from the cache; a learned head sees the
         # target's features of the positions kept.

@@ -33,6 +33,7 @@ from ..errors import InvalidOptionError
 from .budget import BatchCost, batch_cost_prior, choose_drafts
 from .decoder import SpeculativeDecoder, StepPlan, tap_features
 from .kpolicy import KPolicy
+from .logits import project_rows, supports_subsets
 from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
 from .prefix import PrefixCache, prefix_cache_for
 from .profiles import detect_profile
@@ -93,6 +94,7 @@ class BatchEngine:
         self._ids = itertools.count()
         install_packed_attention(target)
         self._invariant = invariant
+        self._subsets = supports_subsets(target)
         self._additive_mask = target.config._attn_implementation == PACKED_PREFIX + "eager"
         #: Forwards run by the engine for batched steps (a shared prefix's own pass is the request's).
         self.batch_forwards = 0
@@ -231,7 +233,11 @@ class BatchEngine:
             starts = [int(n) for n in self.cache.lengths[:b]]  # each row's first fed position
         t0 = time.perf_counter()
         try:
-            if needed:
+            if needed and self._subsets:  # small states over their allowed ids only (decoding.logits)
+                out = self.target.base_model(**inputs)
+                subsets = [s for _, p in live for s in p.row_subsets()]
+                logits = project_rows(self.target, out.last_hidden_state[0, needed], subsets)
+            elif needed:
                 out = self.target(**inputs, logits_to_keep=torch.tensor(needed, device=self.device))
                 logits = out.logits[0].cpu()
                 logits = logits if logits.dtype == torch.float64 else logits.float()
