@@ -72,3 +72,36 @@ def test_forced_language_and_one_token_prompt():
         assert dec.output == [1, 2, 4, 1, 2] and dec.finished
         assert rows and all(n == 0 for n in rows)  # single-token states: no logits computed
         assert_same_cache(dec.cache, fresh_cache(target, (prompt + dec.output)[:-1]))
+
+
+@torch.no_grad()
+def test_growing_cache_gives_dynamic_cache_bits_and_grows_by_doubling():
+    """A batch-invariant model with the decoder's cache (float64 copies in doubling buffers)
+    computes the same bits as with transformers' DynamicCache, through a prompt pass, steps of
+    several tokens and rollbacks; the buffers grow by doubling and a rollback only shortens."""
+    from constrained_spec.decoding.growing_cache import INITIAL_CAPACITY, growing_cache
+    from constrained_spec.models.invariant import make_batch_invariant
+
+    model = make_batch_invariant(tiny_llama(64, seed=5, dtype=torch.float32, context=1024))
+    n = model.config.num_hidden_layers
+    grow, ref = growing_cache(n, torch.float64), DynamicCache(config=model.config)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (1, 40), generator=gen)
+    for cache in (grow, ref):
+        model(input_ids=prompt, cache=cache, use_cache=True, prompt_rows=39)
+    capacities = set()
+    for step in range(60):
+        x = torch.randint(0, 64, (1, 1 + step % 7), generator=gen)
+        a = model(input_ids=x, cache=grow, use_cache=True).logits
+        b = model(input_ids=x, cache=ref, use_cache=True).logits
+        assert torch.equal(a, b), f"step {step}"
+        if step % 3 == 0:
+            grow.crop(-(x.shape[1] // 2))
+            ref.crop(-(x.shape[1] // 2))
+        assert grow.get_seq_length() == ref.get_seq_length()
+        capacities.add(grow.layers[0].capacity)
+    assert all(torch.equal(g.keys, r.keys.double()) and g.keys.dtype == torch.float64
+               for g, r in zip(grow.layers, ref.layers))
+    assert capacities <= {INITIAL_CAPACITY * 2 ** i for i in range(4)} and len(capacities) >= 1
+    held = grow.get_seq_length()
+    assert INITIAL_CAPACITY * len(capacities) >= held

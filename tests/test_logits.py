@@ -46,6 +46,9 @@ def test_allowed_subset_takes_small_states_only():
 def test_models_whose_logits_are_more_than_the_output_layer_keep_it():
     model = tiny_llama(64, seed=1)
     assert supports_subsets(model)
+    handle = model.lm_head.register_forward_hook(lambda mod, inp, out: out + 1)
+    assert not supports_subsets(model)  # the subset path would skip the hook
+    handle.remove()
     model.config.final_logit_softcapping = 30.0
     assert not supports_subsets(model)
 

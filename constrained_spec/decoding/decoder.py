@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
 from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
+from .growing_cache import growing_cache
 from .kpolicy import FixedK, KPolicy
 from .logits import allowed_subset, project_rows, supports_subsets
 from .prefix import PrefixCache, prefill_prefix
@@ -145,7 +145,9 @@ class SpeculativeDecoder:
         self._prefilled = 0
         self.output: list[int] = []
         self.finished = False
-        self.cache = DynamicCache(config=target.config)
+        # A batch-invariant model attends in float64: the cache keeps float64 copies, so a step
+        # converts its new tokens only (decoding.growing_cache).
+        self.cache = growing_cache(target.config.num_hidden_layers, torch.float64 if self._batch_invariant else None)
         self.last = self.prompt_ids[-1]
         self._single: dict[State, bool] = {}
         #: Per state, the ids its logits are computed over (``decoding.logits``); None: all.

@@ -16,8 +16,9 @@ verify pass and in any batch: greedy identity and the batch invariance hold as b
 tokens outside the subset are the ones the mask sets to -inf anyway, so the masked law is the
 model's on the allowed tokens (up to the rounding of a different summation order).
 
-Models whose logits are more than the output layer of the final hidden state (a final
-softcap, a logit scale) keep the full projection (``supports_subsets``).
+Models whose logits are more than a plain output layer of the final hidden state (a final
+softcap, a logit scale, another kind of layer, a hook on it) keep the full projection
+(``supports_subsets``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch import nn
+
+from ..models.invariant import BucketedLinear
 
 #: States allowing more tokens than this take the full projection: gathering a row of the
 #: matrix costs about what reading it costs, so past a few thousand rows the subset stops paying
@@ -37,7 +41,10 @@ def supports_subsets(target: Any) -> bool:
     subset of rows can be computed on its own."""
     config = getattr(target, "config", None)
     out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-    return (out is not None and isinstance(getattr(out, "weight", None), torch.Tensor) and hasattr(target, "base_model")
+    layers = [out, getattr(out, "linear", None)] if isinstance(out, BucketedLinear) else [out]
+    plain = all(isinstance(m, nn.Linear) or type(m) is BucketedLinear for m in layers)
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in layers if isinstance(m, nn.Module))
+    return (out is not None and plain and not hooked and hasattr(target, "base_model")
             and getattr(config, "final_logit_softcapping", None) is None
             and getattr(config, "logits_scaling", 1.0) in (1, 1.0, None)
             and getattr(config, "logit_scale", 1.0) in (1, 1.0, None))

@@ -98,7 +98,7 @@ def shared_prefix_length(full: list[int], prefix_only: list[int]) -> int:
 @torch.no_grad()
 def prefill_prefix(target: Any, cache: Any, tokens: list[int], prefix_len: int | None, store: PrefixCache | None,
                    batch_invariant: bool) -> tuple[int, bool]:
-    """Feed ``tokens[:prefix_len]`` into ``cache`` (a ``DynamicCache``, empty) in a forward of its
+    """Feed ``tokens[:prefix_len]`` into ``cache`` (a request's, empty) in a forward of its
     own, or copy it from ``store``. Returns (tokens fed, whether they came from the store); the
     caller feeds the rest. Nothing is fed when there is no shared prefix worth one."""
     if prefix_len is None or prefix_len < MIN_PREFIX or prefix_len >= len(tokens):
@@ -112,6 +112,8 @@ def prefill_prefix(target: Any, cache: Any, tokens: list[int], prefix_len: int |
         return prefix_len, True
     extra = {"prompt_rows": prefix_len} if batch_invariant else {}
     target.base_model(input_ids=torch.tensor([list(key)], device=device), cache=cache, use_cache=True, **extra)
-    if store is not None:
-        store.put(key, [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers])
+    if store is not None:  # in the model's dtype (a request's cache may hold float64 copies)
+        dtype = getattr(target, "dtype", None)
+        store.put(key, [layer.keys[0].to(dtype or layer.keys.dtype) for layer in cache.layers],
+                  [layer.values[0].to(dtype or layer.values.dtype) for layer in cache.layers])
     return prefix_len, False

@@ -194,8 +194,11 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     if prompt_rows:
         keys = past + prompt_rows
         mask = attention_mask[..., :prompt_rows, :keys] if attention_mask is not None else None
-        out, _ = sdpa_attention_forward(module, query[:, :, :prompt_rows], key[:, :, :keys], value[:, :, :keys], mask,
-                                        dropout=dropout, scaling=scale, **kwargs)
+        # A request's cache may hold float64 copies (decoding.growing_cache): back to the
+        # query's dtype, exactly, for the stock kernel.
+        out, _ = sdpa_attention_forward(module, query[:, :, :prompt_rows], key[:, :, :keys].to(query.dtype),
+                                        value[:, :, :keys].to(query.dtype), mask, dropout=dropout, scaling=scale,
+                                        **kwargs)
         parts.append(out)
     if prompt_rows < q_len:
         b, heads, _, dim = query.shape
