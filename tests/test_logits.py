@@ -76,3 +76,21 @@ def test_decoding_takes_both_paths_and_greedy_identity_holds(smol, monkeypatch):
     assert spec.tokens == base.tokens
     monkeypatch.setattr(logits_module, "SUBSET_MAX", 0)
     assert decode(target, compiled.matcher(), prompt, max_new_tokens=64).tokens == base.tokens
+
+
+@torch.no_grad()
+def test_a_bucketed_output_layer_with_a_bias_keeps_it_on_the_subset_path():
+    from constrained_spec.models.invariant import BucketedLinear, RowSplit
+
+    model = tiny_llama(300, seed=6)
+    linear = torch.nn.Linear(32, 300, bias=True, dtype=torch.float64)
+    torch.nn.init.normal_(linear.bias, std=3.0)
+    model.lm_head = BucketedLinear(linear, RowSplit(), bucket=8, transposed=True)
+    assert supports_subsets(model)
+    ids = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(7))
+    hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+    full = linear(hidden)
+    s = torch.tensor([2, 40, 41, 250])
+    got = project_rows(model, hidden[[1, 4]], [s, None])
+    assert torch.allclose(got[0, s], full[1, s], rtol=1e-12, atol=1e-12)
+    assert torch.allclose(got[1], full[4], rtol=1e-12, atol=1e-12)

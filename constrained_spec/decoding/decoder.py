@@ -17,7 +17,7 @@ from ..drafters import Draft, Drafter
 from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from .growing_cache import growing_cache
 from .kpolicy import FixedK, KPolicy
-from .logits import allowed_subset, project_rows, supports_subsets
+from .logits import allowed_subset, forward_logits, supports_subsets
 from .prefix import PrefixCache, prefill_prefix
 from .repetition import first_repetition
 from .stats import DecodeResult, DecodeStats
@@ -187,13 +187,9 @@ class SpeculativeDecoder:
         taps = self.feature_layers
         if taps:  # a learned head reads the target's hidden states: this forward returns them
             extra["output_hidden_states"] = True
-        input_ids = torch.tensor([ids], device=self.device)
-        if self._use_subsets:
-            out = self.target.base_model(input_ids=input_ids, cache=self.cache, use_cache=True, **extra)
-            hidden = out.last_hidden_state[0, rows]
-        else:
-            out = self.target(input_ids=input_ids, cache=self.cache, use_cache=True,
-                              logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device), **extra)
+        out, logits = forward_logits(self.target, rows, subsets, self._use_subsets,
+                                     input_ids=torch.tensor([ids], device=self.device), cache=self.cache,
+                                     use_cache=True, **extra)
         if taps:
             self._features = tap_features(out.hidden_states, taps, 0, len(ids))
         if not self.stats.target_forwards and self.cache.get_seq_length() != self._prefilled + len(ids):
@@ -201,10 +197,6 @@ class SpeculativeDecoder:
 
             raise ModelLoadError(f"transformers {transformers.__version__} did not fill the KV cache passed as "
                                  "cache= (older 5.x releases ignore it); install transformers>=5.24.")
-        if self._use_subsets:
-            logits = project_rows(self.target, hidden, subsets if subsets is not None else [None] * len(rows))
-        else:
-            logits = out.logits[0].float().cpu() if out.logits.dtype != torch.float64 else out.logits[0].cpu()
         full = torch.zeros(len(ids) - first, logits.shape[-1], dtype=logits.dtype)
         full[[r - first for r in rows]] = logits
         return full

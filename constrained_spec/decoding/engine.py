@@ -33,7 +33,7 @@ from ..errors import InvalidOptionError
 from .budget import BatchCost, batch_cost_prior, choose_drafts
 from .decoder import SpeculativeDecoder, StepPlan, tap_features
 from .kpolicy import KPolicy
-from .logits import project_rows, supports_subsets
+from .logits import forward_logits, supports_subsets
 from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
 from .prefix import PrefixCache, prefix_cache_for
 from .profiles import detect_profile
@@ -233,14 +233,9 @@ class BatchEngine:
             starts = [int(n) for n in self.cache.lengths[:b]]  # each row's first fed position
         t0 = time.perf_counter()
         try:
-            if needed and self._subsets:  # small states over their allowed ids only (decoding.logits)
-                out = self.target.base_model(**inputs)
+            if needed:  # small states over their allowed ids only (decoding.logits)
                 subsets = [s for _, p in live for s in p.row_subsets()]
-                logits = project_rows(self.target, out.last_hidden_state[0, needed], subsets)
-            elif needed:
-                out = self.target(**inputs, logits_to_keep=torch.tensor(needed, device=self.device))
-                logits = out.logits[0].cpu()
-                logits = logits if logits.dtype == torch.float64 else logits.float()
+                out, logits = forward_logits(self.target, needed, subsets, self._subsets, **inputs)
             else:  # every row is in a single-token state: only the keys are needed
                 out = self.target.base_model(**inputs)
                 logits = None

@@ -59,19 +59,36 @@ def allowed_subset(mask: torch.Tensor) -> torch.Tensor | None:
     return mask.nonzero().flatten()
 
 
+def forward_logits(target: Any, rows: Sequence[int], subsets: Sequence[torch.Tensor | None] | None,
+                   use_subsets: bool, **inputs: Any) -> tuple[Any, torch.Tensor]:
+    """One forward of ``target`` on ``inputs`` (``input_ids``, ``cache``, ...) and the logits of
+    positions ``rows`` ``[len(rows), V]`` on the CPU (float32, or float64 where the model
+    computes in it): over ``subsets`` (``project_rows``) when ``use_subsets``, else through the
+    model's forward with ``logits_to_keep``. Returns (the forward's output, the logits)."""
+    if use_subsets:
+        out = target.base_model(**inputs)
+        subsets = subsets if subsets is not None else [None] * len(rows)
+        return out, project_rows(target, out.last_hidden_state[0, list(rows)], subsets)
+    device = inputs["input_ids"].device
+    out = target(**inputs, logits_to_keep=torch.tensor(list(rows), dtype=torch.long, device=device))
+    logits = out.logits[0].cpu()
+    return out, logits if logits.dtype == torch.float64 else logits.float()
+
+
 def project_rows(target: Any, hidden: torch.Tensor, subsets: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Logits ``[n, V]`` (float32, or float64 where the model computes in it, on the CPU) of the
     final hidden states ``hidden`` ``[n, d]``: row ``i`` over the ids ``subsets[i]`` (zeros
     elsewhere, which the mask removes), or over the whole vocabulary when it is None (through
     the model's own output layer, all such rows in one call, as the model's forward does)."""
     out = target.get_output_embeddings()
-    weight = out.weight
+    linear = out.linear if isinstance(out, BucketedLinear) else out  # the wrapper has no bias of its own
+    weight = linear.weight
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     logits = torch.zeros(len(subsets), weight.shape[0], dtype=dtype)
     full = [i for i, s in enumerate(subsets) if s is None]
     if full:
         logits[full] = out(hidden[full][None])[0].to(dtype).cpu()
-    bias = getattr(out, "bias", None)
+    bias = getattr(linear, "bias", None)
     for i, ids in enumerate(subsets):
         if ids is None:
             continue

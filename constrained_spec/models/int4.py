@@ -106,7 +106,7 @@ class Int4Linear(nn.Module):
 
     def _prompt(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows: a float32 matmul over the stored weights once there are enough of them."""
-        if x.shape[-2] < MIN_DENSE_ROWS or self.prompt_weight is None:
+        if x.shape[-2] < MIN_DENSE_ROWS:
             return self._kernel(x)
         return nn.functional.linear(x.float(), self.prompt_weight.float()).to(x.dtype)
 
