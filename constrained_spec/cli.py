@@ -666,6 +666,7 @@ def train_drafter_cmd(
     unroll: int = typer.Option(3, "--unroll", help="Training passes on the head's own states (EAGLE-3's training-time test)."),
     lr: float = typer.Option(5e-4, "--lr", help="AdamW learning rate."),
     resume: bool = typer.Option(True, "--resume/--fresh", help="Take up a checkpoint in --out from the same data and options."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Training outputs decoded at once in the batch engine (default 16; 1: one at a time)."),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Train a grammar-masked draft head for the target on its own constrained outputs
@@ -674,7 +675,7 @@ def train_drafter_cmd(
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         from .models import load_model
-        from .pipelines.train_drafter import TrainProgress, train_drafter
+        from .pipelines.train_drafter import DECODE_BATCH, TrainProgress, train_drafter
 
         if minutes is None and steps is None:
             raise InvalidOptionError("Invalid training budget: give --minutes or --steps.")
@@ -694,7 +695,8 @@ def train_drafter_cmd(
 
             report = train_drafter(handle, data, out, minutes=minutes, steps=steps, draft_vocab=draft_vocab,
                                    sampled=sampled, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
-                                   unroll=unroll, lr=lr, resume=resume, progress=progress)
+                                   unroll=unroll, lr=lr, resume=resume, batch=DECODE_BATCH if batch is None else batch,
+                                   progress=progress)
         _report({k: v for k, v in dataclasses.asdict(report).items() if k != "losses"} | {"out": str(out)}, None)
 
     _run_guarded(go)

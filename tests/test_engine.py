@@ -18,7 +18,7 @@ from constrained_spec.decoding import FixedK, decode
 from constrained_spec.decoding.engine import BatchEngine
 from constrained_spec.drafters import LookupDrafter, ModelDrafter
 from tests.conftest import tiny_llama
-from tests.test_exactness import EOS, MODEL_VOCAB, N, PATTERN, PROMPT, TOKENS, _correction_from_p, exact_law, sample_pvalue
+from tests.test_exactness import EOS, MODEL_VOCAB, N, N_CONTROL, PATTERN, PROMPT, TOKENS, _correction_from_p, exact_law, sample_pvalue
 from tests.test_greedy_identity import SCHEMAS, TEXT, models  # noqa: F401  (models: the float64 target and draft)
 
 
@@ -193,12 +193,12 @@ def small():
     return compile_constraint(PATTERN, vocab, kind="regex"), tiny_llama(MODEL_VOCAB, seed=1), tiny_llama(MODEL_VOCAB, seed=2)
 
 
-def engine_draws(compiled, target, draft, batch=8):
-    """N sampled requests (seeds 0..N-1) through one engine, ``batch`` rows at once; K = 1 so
+def engine_draws(compiled, target, draft, batch=8, n=N):
+    """``n`` sampled requests (seeds 0..n-1) through one engine, ``batch`` rows at once; K = 1 so
     that most tokens come from batched steps, not from a request's first step."""
     engine = BatchEngine(target, max_batch=batch)
     reqs = []
-    for seed in range(N):
+    for seed in range(n):
         m = compiled.matcher()
         reqs.append(engine.submit(PROMPT, m, drafter=ModelDrafter(draft, m, temperature=1.0), k_policy=FixedK(1),
                                   temperature=1.0, seed=seed, max_new_tokens=16))
@@ -218,8 +218,8 @@ def test_negative_control_in_a_batch_is_caught(small, monkeypatch):
     compiled, target, draft = small
     law = exact_law(compiled, target, PROMPT)
     monkeypatch.setattr(decoder_mod, "verify_sampled", _correction_from_p)
-    draws = engine_draws(compiled, target, draft)
-    assert sample_pvalue(law, lambda s: draws[s]) < 1e-4
+    draws = engine_draws(compiled, target, draft, n=N_CONTROL)
+    assert sample_pvalue(law, lambda s: draws[s], N_CONTROL) < 1e-4
 
 
 def test_budget_keeps_the_drafts_that_pay_for_their_tokens():

@@ -9,10 +9,10 @@ import torch
 
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
 from constrained_spec.decoding import FixedK, decode
-from constrained_spec.drafters.head import DraftHead, HeadConfig, HeadDrafter, load_head
+from constrained_spec.drafters.head import DraftHead, HeadConfig, HeadDrafter, default_taps, load_head
 from constrained_spec.errors import ModelLoadError, TokenizerMismatchError
 from tests.conftest import tiny_llama
-from tests.test_exactness import EOS, MODEL_VOCAB, PATTERN, PROMPT, TOKENS, exact_law, sample_pvalue
+from tests.test_exactness import EOS, MODEL_VOCAB, N_CONTROL, PATTERN, PROMPT, TOKENS, exact_law, sample_pvalue
 
 #: The head may propose only these: "b" (2) and "ba" (5) are outside its draft vocabulary, so
 #: they come only from the verifier's residual.
@@ -85,7 +85,8 @@ class UnprunedQHead(HeadDrafter):
 def test_negative_control_q_outside_the_draft_vocabulary_is_caught(setup):
     _, compiled, target, head = setup
     law = exact_law(compiled, target, PROMPT)
-    pv = sample_pvalue(law, lambda s: _run(compiled, target, lambda m: UnprunedQHead(head, m, temperature=1.0), s))
+    pv = sample_pvalue(law, lambda s: _run(compiled, target, lambda m: UnprunedQHead(head, m, temperature=1.0), s),
+                       N_CONTROL)
     assert pv < 1e-4
 
 
@@ -176,6 +177,68 @@ def test_a_few_training_steps_learn_the_target_and_the_saved_head_drafts_exactly
     again = train_head(target, vocab, items, tmp_path / "head", steps=120, sampled=3, unroll=2, lr=3e-3,
                        held_out=0.0, draft_vocab=4, seed=0)
     assert again.steps == 120 and again.decode_seconds < report.decode_seconds
+
+
+def test_batched_decoding_of_the_training_outputs_gives_the_same_outputs_and_features(setup):
+    """Stage 1 in the batch engine (runs of different lengths joining and leaving, lookup
+    drafting) decodes what one request at a time decodes, greedy and seeded sampled alike, and
+    records the features of one fresh forward over each sequence."""
+    from constrained_spec.drafters import LookupDrafter
+    from constrained_spec.pipelines.train_drafter import decode_outputs
+
+    _, compiled, target, _ = setup
+    prompts = [PROMPT, PROMPT[:4], [6, 6, 1, 2], [3, 4, 5, 6, 1], [2, 2, 6], [5, 6, 3], [1, 3, 1, 3, 1]]
+    items = [(p, compiled) for p in prompts]
+    lookup = lambda i, m: LookupDrafter(m)  # noqa: E731
+    one = decode_outputs(target, items, sampled=2, seed=0, drafter_for=lookup)
+    many = decode_outputs(target, items, sampled=2, seed=0, drafter_for=lookup, batch=4)
+    assert len(one) == len(many) >= len(prompts)
+    assert [(o.item, o.tokens) for o in many] == [(o.item, o.tokens) for o in one]
+    for a, b in zip(one, many):
+        assert torch.allclose(a.features, b.features, atol=1e-6) and torch.allclose(a.final, b.final, atol=1e-6)
+        fwd = target(input_ids=torch.tensor([b.prompt + b.tokens]), output_hidden_states=True)
+        fresh = torch.cat([fwd.hidden_states[t][0] for t in default_taps(target.config.num_hidden_layers)], -1)[:-1]
+        assert torch.allclose(b.features.double(), fresh.double(), atol=1e-5)
+
+
+def test_unrolled_training_passes_keep_the_prompt_teacher_forced(setup):
+    """The training loss: pass 0 is the head over the target's features; pass 1 is the head over
+    its own pass-0 states from the first loss row on, attending to the teacher-forced states
+    before it (as a draft at inference attends to the accepted positions), computed here in
+    one plain forward over the whole sequence; and the learning rate decays from lr to lr/10."""
+    from constrained_spec.pipelines.train_drafter import _losses, decayed_lr, decode_outputs, featurize
+
+    _, compiled, target, head = setup
+    outputs = decode_outputs(target, [([6, 1, 2, 6, 3], compiled), (PROMPT, compiled)], sampled=1, seed=0)
+    seqs = featurize(target, outputs, list(head.config.draft_vocab))
+    assert seqs
+    with torch.no_grad():
+        for seq in seqs:
+            T = len(seq.ids)
+            ids = torch.tensor(seq.ids)
+            g = head.project_features(seq.features[: T - 1])[None]
+            nxt, pos = ids[1:T][None], torch.arange(T - 1)[None]
+            r = seq.rows - 1
+            keep = r >= 0
+            r, p, allowed = r[keep], seq.p[keep], seq.allowed[keep]
+            a = int(r.min())
+            assert a > 0  # the split is exercised
+
+            def loss_of(h):
+                ll = head.logits(h[0, r]).float().masked_fill(~allowed, -1e30).log_softmax(-1)
+                return -(p * ll).sum()
+
+            h0 = head.hidden(g, nxt, pos)
+            g1 = torch.cat([g[:, :a], h0[:, a - 1 : T - 2]], dim=1)
+            h1 = head.hidden(g1, nxt, pos)
+            one, agree, n = _losses(head, seq, 1)
+            two, _, _ = _losses(head, seq, 2)
+            assert n == r.numel() and agree == int((head.logits(h0[0, r]).masked_fill(~allowed, -1e30).argmax(-1)
+                                                   == p.argmax(-1)).sum())
+            assert torch.allclose(one, loss_of(h0).to(one.dtype), rtol=1e-5)
+            assert torch.allclose(two, (loss_of(h0) + loss_of(h1)).to(two.dtype), rtol=1e-5)
+    assert decayed_lr(1.0, 0.0) == 1.0 and abs(decayed_lr(1.0, 1.0) - 0.1) < 1e-12
+    assert all(decayed_lr(1.0, x / 10) > decayed_lr(1.0, (x + 1) / 10) for x in range(10))
 
 
 def _drafted_by_head(results) -> int:

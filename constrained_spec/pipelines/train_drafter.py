@@ -42,6 +42,9 @@ from ..drafters.head import DraftHead, HeadConfig, default_taps
 from ..errors import InvalidOptionError
 
 CHECKPOINT_FILE = "checkpoint.pt"
+#: Runs decoded at once in stage 1 by default: on this 2-core CPU the batch engine at 16 rows
+#: decodes about 2.5x the tokens per second of one request (README, batch sweep).
+DECODE_BATCH = 16
 OUTPUTS_FILE = "outputs.pt"
 
 
@@ -141,40 +144,74 @@ def _tap_layers(target: Any) -> tuple[tuple[int, ...], int]:
 
 @torch.no_grad()
 def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstraint]], *, sampled: int = 1,
-                   temperature: float = 0.8, max_new_tokens: int = 128, seed: int = 0,
+                   temperature: float = 0.8, max_new_tokens: int = 128, seed: int = 0, batch: int = 1,
                    drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
                    progress: Callable[[TrainProgress], None] | None = None) -> list[DecodedOutput]:
     """Stage 1: each item decoded by the target under its constraint, greedily and ``sampled``
     more times, recording the target's features on the way. ``drafter_for(i, matcher)``: the
     model-free drafter item ``i`` decodes with (None: target-only); it changes the speed, never
-    the law. Outputs of fewer than two tokens are dropped."""
+    the law. ``batch`` > 1 decodes that many runs at once in the batch engine (the same greedy
+    outputs: its rows equal single requests; sampled ones are draws of the same law). Outputs
+    of fewer than two tokens are dropped."""
     from ..drafters.hybrid import HybridDrafter
 
     taps, final = _tap_layers(target)
-    out = []
-    for i, (prompt, compiled) in enumerate(items):
-        runs = [(0.0, None)] + [(temperature, seed * 1000 + i * 10 + j) for j in range(sampled)]
-        for temp, run_seed in runs:
-            matcher = compiled.matcher()
-            recorder = FeatureRecorder(matcher, (*taps, final))
-            other = drafter_for(i, matcher) if drafter_for is not None else None
-            drafter = HybridDrafter([other, recorder]) if other is not None else recorder
-            # Speculation only changes the speed: a seeded sampled run keeps its K choices
-            # independent of timings, so the same seed gives the same output.
-            k_policy = AdaptiveK(12, deterministic=run_seed is not None) if other is not None else FixedK(0)
-            dec = SpeculativeDecoder(target, matcher, prompt, drafter=drafter, k_policy=k_policy, temperature=temp,
-                                     seed=run_seed, max_new_tokens=max_new_tokens)
-            for _ in dec.run():
-                pass
-            tokens = dec.output
-            T = len(prompt) + len(tokens)
-            feats = recorder.features(T - 1) if len(tokens) >= 2 else None
-            if feats is not None:
-                d = target.config.hidden_size
-                out.append(DecodedOutput(i, prompt, list(tokens), compiled, feats[:, : len(taps) * d].clone(),
-                                         feats[len(prompt) - 1 :, len(taps) * d :].clone()))
+    runs = [(i, temp, run_seed) for i in range(len(items))
+            for temp, run_seed in [(0.0, None)] + [(temperature, seed * 1000 + i * 10 + j) for j in range(sampled)]]
+
+    def start(i: int, run_seed: int | None) -> tuple[Matcher, FeatureRecorder, Drafter, Any]:
+        matcher = items[i][1].matcher()
+        recorder = FeatureRecorder(matcher, (*taps, final))
+        other = drafter_for(i, matcher) if drafter_for is not None else None
+        drafter = HybridDrafter([other, recorder]) if other is not None else recorder
+        # Speculation only changes the speed: a seeded sampled run keeps its K choices
+        # independent of timings, so the same seed gives the same output.
+        k_policy = AdaptiveK(12, deterministic=run_seed is not None) if other is not None else FixedK(0)
+        return matcher, recorder, drafter, k_policy
+
+    out: list[DecodedOutput] = []
+    d = target.config.hidden_size
+
+    def keep(i: int, tokens: list[int], recorder: FeatureRecorder) -> None:
+        prompt = items[i][0]
+        T = len(prompt) + len(tokens)
+        feats = recorder.features(T - 1) if len(tokens) >= 2 else None
+        if feats is not None:
+            out.append(DecodedOutput(i, prompt, list(tokens), items[i][1], feats[:, : len(taps) * d].clone(),
+                                     feats[len(prompt) - 1 :, len(taps) * d :].clone()))
+
+    def report(done: int) -> None:
         if progress:
-            progress(TrainProgress("decode", i + 1, len(items)))
+            progress(TrainProgress("decode", done, len(runs)))
+
+    if batch > 1:
+        from ..decoding.engine import BatchEngine
+
+        engine = BatchEngine(target, max_batch=batch, prefix_cache=False)
+        pending = {}
+        for i, temp, run_seed in runs:
+            matcher, recorder, drafter, k_policy = start(i, run_seed)
+            req = engine.submit(items[i][0], matcher, drafter=drafter, k_policy=k_policy, temperature=temp,
+                                seed=run_seed, max_new_tokens=max_new_tokens)
+            pending[req.id] = (len(pending), i, recorder, req)
+        done: dict[int, tuple[int, list[int], FeatureRecorder]] = {}
+        for req in engine.run():
+            n, i, recorder, _ = pending.pop(req.id)
+            if req.error is not None:
+                raise req.error
+            done[n] = (i, req.result.tokens, recorder)
+            report(len(done))
+        for n in sorted(done):  # the runs' order, whatever order they finished in
+            keep(*done[n])
+        return out
+    for n, (i, temp, run_seed) in enumerate(runs):
+        matcher, recorder, drafter, k_policy = start(i, run_seed)
+        dec = SpeculativeDecoder(target, matcher, items[i][0], drafter=drafter, k_policy=k_policy, temperature=temp,
+                                 seed=run_seed, max_new_tokens=max_new_tokens)
+        for _ in dec.run():
+            pass
+        keep(i, dec.output, recorder)
+        report(n + 1)
     return out
 
 
@@ -231,6 +268,8 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
     """Summed cross-entropy of the head's law on ``M ∩ V_d`` against the target's at the
     unforced positions, teacher-forced and then ``unroll - 1`` passes on its own states; and
     (agreements, positions) of its first draft token with the target's argmax."""
+    from transformers import DynamicCache
+
     ids = torch.tensor(seq.ids)
     T = len(seq.ids)
     # Pair j = (g_j, x_{j+1}) predicts x_{j+2}; the law of ids[t + 1] is at pair t - 1.
@@ -240,10 +279,27 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
     r = seq.rows - 1
     keep = r >= 0
     r, p, allowed = r[keep], seq.p[keep], seq.allowed[keep]
+    # The pairs before the first loss row (the prompt, mostly) run once, teacher-forced, and
+    # the later passes attend to their keys: at inference a draft attends to the accepted
+    # positions' target features, never to the head's own states there. Closer to inference
+    # than rolling the whole sequence on its own states, and the later passes cost only the
+    # output's pairs (about a quarter of a training sequence here).
+    a = int(r.min()) if r.numel() else 0
+    first = g[:, :1]  # a pass's input at its first pair: the state before it
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+    if a > 0:
+        cache = DynamicCache()
+        first = head.hidden(g[:, :a], nxt[:, :a], pos[:, :a], cache)[:, -1:]
+        prefix = (cache.layers[0].keys, cache.layers[0].values)
+        g, nxt, pos, r = g[:, a:], nxt[:, a:], pos[:, a:], r - a
     total = torch.zeros((), dtype=head.fc.weight.dtype)
     agree = 0
     for step in range(unroll):
-        h = head.hidden(g, nxt, pos)
+        cache = None
+        if prefix is not None:
+            cache = DynamicCache()
+            cache.update(*prefix, 0)
+        h = head.hidden(g, nxt, pos, cache)
         # Only the rows with a loss go through the vocabulary projection.
         ll = head.logits(h[0, r]).float().masked_fill(~allowed, -1e30).log_softmax(-1)
         total = total - (p * ll).sum()
@@ -251,7 +307,7 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
             agree = int((ll.argmax(-1) == p.argmax(-1)).sum())
         # In pass s > 0 a pair's input is the head's own state from pass s - 1, as at the
         # (s + 1)-th token of a draft (EAGLE-3's training-time test).
-        g = torch.cat([g[:, :1], h[:, :-1]], dim=1)
+        g = torch.cat([first, h[:, :-1]], dim=1)
     return total, agree, int(r.numel())
 
 
@@ -277,7 +333,7 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
                draft_vocab: int = 8192, steps: int | None = None, minutes: float | None = None, sampled: int = 1,
                unroll: int = 2, lr: float = 3e-4, held_out: float = 0.1, max_new_tokens: int = 128, seed: int = 0,
                name: str = "", always: Sequence[int] = (), eval_every: int | None = None, resume: bool = True,
-               drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
+               batch: int = 1, drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
                progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
     """Train a head for ``target`` on ``items`` and save the best one to ``out_dir`` (see the
     module docstring). Stops after ``steps`` optimizer steps or ``minutes`` of training,
@@ -292,6 +348,8 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
         raise InvalidOptionError("Invalid training data: expected at least one item.")
     if draft_vocab < 1:
         raise InvalidOptionError(f"Invalid draft_vocab: expected a positive size, got {draft_vocab!r}.")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise InvalidOptionError(f"Invalid batch: expected an integer >= 1, got {batch!r}.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -307,7 +365,7 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
             outputs = [DecodedOutput(i, items[i][0], toks, items[i][1], f, h) for i, toks, f, h in saved["outputs"]]
     if outputs is None:
         outputs = decode_outputs(target, items, sampled=sampled, max_new_tokens=max_new_tokens, seed=seed,
-                                 drafter_for=drafter_for, progress=progress)
+                                 batch=batch, drafter_for=drafter_for, progress=progress)
         torch.save({"fingerprint": fingerprint,
                     "outputs": [(o.item, o.tokens, o.features, o.final) for o in outputs]}, outputs_path)
     decode_seconds = time.perf_counter() - t0
@@ -340,6 +398,11 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
         seq = train[step % len(train)]
         loss, _, n = _losses(head, seq, unroll)
         if n:
+            done = step / steps if steps is not None else 0.0
+            if minutes is not None:
+                done = max(done, (time.perf_counter() - t_train) / max(1e-9, deadline - t_train))
+            for group in opt.param_groups:
+                group["lr"] = decayed_lr(lr, done)
             opt.zero_grad()
             (loss / n).backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -363,6 +426,12 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
         best = evaluate(head, held or train)
         head.save(out)
     return TrainReport(len(seqs), len(held), step, time.perf_counter() - t0, len(vd), best, decode_seconds, losses)
+
+
+def decayed_lr(lr: float, done: float) -> float:
+    """The learning rate at ``done`` (0-1) of the budget: a cosine from ``lr`` down to a tenth
+    of it. The budget is steps or minutes, so the schedule follows whichever ends first."""
+    return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, done)))))
 
 
 @torch.no_grad()
@@ -414,11 +483,12 @@ def load_items(handle: Any, path: str | Path, *, limit: int | None = None) -> tu
 def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "", *, minutes: float | None = None,
                   steps: int | None = None, draft_vocab: int = 8192, sampled: int = 1, max_new_tokens: int = 128,
                   limit: int | None = None, seed: int = 0, unroll: int = 3, lr: float = 5e-4, resume: bool = True,
-                  progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
+                  batch: int = DECODE_BATCH, progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
     """Train a draft head for ``target`` (an id, a path, a handle or None for the embedded
     model) on the prompts of ``data`` (JSONL, see ``load_items``) and save it to ``out``, which
     ``draft=out`` then loads. Stage 1 decodes with the model-free drafters ("auto" without a
-    head): the same outputs as target-only, faster."""
+    head), ``batch`` runs at once in the batch engine: the same greedy outputs as target-only,
+    faster."""
     from ..drafters.factory import build_drafter
     from ..drafters.lookup import structural_tokens
     from ..models import resolve_model
@@ -434,5 +504,6 @@ def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "
                                                    head=False)
     return train_head(handle.model, handle.tokenizer, items, out, draft_vocab=draft_vocab, steps=steps, minutes=minutes,
                       sampled=sampled, max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
-                      always=sorted(structural_tokens(handle.vocabulary)), resume=resume, drafter_for=drafter_for,
+                      always=sorted(structural_tokens(handle.vocabulary)), resume=resume, batch=batch,
+                      drafter_for=drafter_for,
                       progress=progress)
