@@ -688,7 +688,8 @@ def train_drafter_cmd(
                 if p.phase not in tasks:
                     tasks[p.phase] = bar.add_task({"decode": "decoding", "train": "training"}[p.phase], total=p.total,
                                                   info="")
-                info = "" if p.loss is None else f"loss {p.loss:.3f}  held-out acceptance {p.agreement:.3f} (best {p.best:.3f})"
+                info = "" if p.loss is None else (f"loss {p.loss:.3f}  held-out acceptance {p.agreement:.3f} (best {p.best:.3f})"
+                                                  + (f", where lookup misses {p.hard:.3f}" if p.hard is not None else ""))
                 bar.update(tasks[p.phase], completed=p.done, total=max(p.total, p.done), info=info)
                 if not err.is_terminal and (p.loss is not None or p.done % 10 == 0 or p.done == p.total):
                     err.print(f"{p.phase} {p.done}/{p.total} {info}")  # a log file gets lines, not a bar

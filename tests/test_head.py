@@ -233,12 +233,24 @@ def test_unrolled_training_passes_keep_the_prompt_teacher_forced(setup):
             h1 = head.hidden(g1, nxt, pos)
             one, agree, n = _losses(head, seq, 1)
             two, _, _ = _losses(head, seq, 2)
-            assert n == r.numel() and agree == int((head.logits(h0[0, r]).masked_fill(~allowed, -1e30).argmax(-1)
-                                                   == p.argmax(-1)).sum())
+            assert n.numel() == r.numel() and torch.equal(
+                agree, head.logits(h0[0, r]).masked_fill(~allowed, -1e30).argmax(-1) == p.argmax(-1))
             assert torch.allclose(one, loss_of(h0).to(one.dtype), rtol=1e-5)
             assert torch.allclose(two, (loss_of(h0) + loss_of(h1)).to(two.dtype), rtol=1e-5)
     assert decayed_lr(1.0, 0.0) == 1.0 and abs(decayed_lr(1.0, 1.0) - 0.1) < 1e-12
     assert all(decayed_lr(1.0, x / 10) > decayed_lr(1.0, (x + 1) / 10) for x in range(10))
+
+
+def test_lookup_coverage_follows_prompt_lookup():
+    """Where prompt lookup would have drafted the right token: the longest earlier n-gram
+    decides (a wrong continuation after a 3-gram match is a miss even if a 1-gram would hit)."""
+    from constrained_spec.pipelines.train_drafter import lookup_covered
+
+    ids = [1, 2, 3, 9, 1, 2, 3, 4]
+    # t=6: (1, 2, 3) seen, followed by 9, not 4; t=5: (1, 2) seen, followed by 3; t=3: 9 new.
+    assert lookup_covered(ids, [3, 5, 6]) == [False, True, False]
+    assert lookup_covered([1, 2, 5, 2, 5], [3]) == [True]
+    assert lookup_covered([1, 2, 5, 2, 5], [3], ignore={2}) == [False]  # a lone structural token
 
 
 def _drafted_by_head(results) -> int:

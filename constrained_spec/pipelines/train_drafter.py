@@ -107,6 +107,8 @@ class TrainingSequence:
     rows: torch.Tensor
     p: torch.Tensor
     allowed: torch.Tensor
+    #: Per row: whether prompt lookup would propose the right token there (``lookup_covered``).
+    covered: torch.Tensor | None = None
 
 
 @dataclass
@@ -120,6 +122,8 @@ class TrainProgress:
     loss: float | None = None
     agreement: float | None = None
     best: float | None = None
+    #: The latest agreement where prompt lookup would be wrong (``TrainReport.hard_agreement``).
+    hard: float | None = None
 
 
 @dataclass
@@ -134,6 +138,9 @@ class TrainReport:
     draft_vocab: int
     best_agreement: float
     decode_seconds: float = 0.0
+    #: The saved head's held-out agreement where prompt lookup would be wrong: the positions
+    #: it drafts inside "auto", which tries lookup first.
+    hard_agreement: float | None = None
     losses: list[float] = field(default_factory=list)
 
 
@@ -225,10 +232,38 @@ def draft_vocabulary(outputs: Sequence[DecodedOutput], size: int, eos: int, alwa
     return sorted(chosen)
 
 
+def lookup_covered(ids: Sequence[int], rows: Sequence[int], ignore: frozenset[int] | set[int] = frozenset(), *,
+                   max_ngram: int = 3, max_candidates: int = 8) -> list[bool]:
+    """For each position ``t`` of ``rows``: whether prompt lookup on ``ids[: t + 1]`` has
+    ``ids[t + 1]`` among its candidates (the longest n-gram, at most ``max_ngram``, ending at
+    ``t`` that occurred before; its ``max_candidates`` most recent occurrences; a lone token of
+    ``ignore`` makes no match), as ``drafters.lookup`` drafts. Those positions cost the head
+    nothing to miss inside "auto"."""
+    index: dict[tuple[int, ...], list[int]] = {}
+    for n in range(1, max_ngram + 1):
+        for j in range(len(ids) - n + 1):
+            index.setdefault(tuple(ids[j : j + n]), []).append(j)
+    out = []
+    for t in rows:
+        hit = False
+        for n in range(min(max_ngram, t), 0, -1):
+            tail = tuple(ids[t + 1 - n : t + 1])
+            if n == 1 and tail[0] in ignore:
+                break
+            starts = [j for j in index.get(tail, ()) if j + n <= t][-max_candidates:]  # continuation in context
+            if starts:
+                hit = t + 1 < len(ids) and any(ids[j + n] == ids[t + 1] for j in starts)
+                break
+        out.append(hit)
+    return out
+
+
 @torch.no_grad()
-def featurize(target: Any, outputs: Sequence[DecodedOutput], draft_vocab: Sequence[int]) -> list[TrainingSequence]:
+def featurize(target: Any, outputs: Sequence[DecodedOutput], draft_vocab: Sequence[int],
+              ignore: frozenset[int] | set[int] = frozenset()) -> list[TrainingSequence]:
     """Stage 2: the masked laws over ``V_d`` at the unforced output positions (the target's
-    logits from its recorded final hidden state, no second forward)."""
+    logits from its recorded final hidden state, no second forward), and where prompt lookup
+    would have drafted them (``lookup_covered``, ``ignore`` its structural tokens)."""
     vd = torch.tensor(list(draft_vocab), dtype=torch.long)
     lm_head = target.get_output_embeddings()
     seqs = []
@@ -254,8 +289,10 @@ def featurize(target: Any, outputs: Sequence[DecodedOutput], draft_vocab: Sequen
         logits = lm_head(h).double()
         allowed = torch.stack(alloweds)
         p = logits[:, vd].masked_fill(~allowed, float("-inf")).softmax(-1).float()
-        seqs.append(TrainingSequence(o.prompt + o.tokens, len(o.prompt), o.features,
-                                     torch.tensor(rows) + len(o.prompt) - 1, p, allowed))
+        at = torch.tensor(rows) + len(o.prompt) - 1
+        ids = o.prompt + o.tokens
+        seqs.append(TrainingSequence(ids, len(o.prompt), o.features, at, p, allowed,
+                                     torch.tensor(lookup_covered(ids, at.tolist(), ignore), dtype=torch.bool)))
     return seqs
 
 
@@ -264,10 +301,11 @@ def _float_params(target: Any) -> bool:
     return dtype.is_floating_point
 
 
-def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.Tensor, int, int]:
+def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of the head's law on ``M ∩ V_d`` against the target's at the
-    unforced positions, teacher-forced and then ``unroll - 1`` passes on its own states; and
-    (agreements, positions) of its first draft token with the target's argmax."""
+    unforced positions, teacher-forced and then ``unroll - 1`` passes on its own states; per
+    position, whether its first draft token is the target's argmax, and whether prompt lookup
+    covers it (all False when unknown)."""
     from transformers import DynamicCache
 
     ids = torch.tensor(seq.ids)
@@ -279,6 +317,7 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
     r = seq.rows - 1
     keep = r >= 0
     r, p, allowed = r[keep], seq.p[keep], seq.allowed[keep]
+    covered = seq.covered[keep] if seq.covered is not None else torch.zeros(r.shape, dtype=torch.bool)
     # The pairs before the first loss row (the prompt, mostly) run once, teacher-forced, and
     # the later passes attend to their keys: at inference a draft attends to the accepted
     # positions' target features, never to the head's own states there. Closer to inference
@@ -293,7 +332,7 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
         prefix = (cache.layers[0].keys, cache.layers[0].values)
         g, nxt, pos, r = g[:, a:], nxt[:, a:], pos[:, a:], r - a
     total = torch.zeros((), dtype=head.fc.weight.dtype)
-    agree = 0
+    hits = torch.zeros(r.shape, dtype=torch.bool)
     for step in range(unroll):
         cache = None
         if prefix is not None:
@@ -304,11 +343,11 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
         ll = head.logits(h[0, r]).float().masked_fill(~allowed, -1e30).log_softmax(-1)
         total = total - (p * ll).sum()
         if step == 0:
-            agree = int((ll.argmax(-1) == p.argmax(-1)).sum())
+            hits = ll.argmax(-1) == p.argmax(-1)
         # In pass s > 0 a pair's input is the head's own state from pass s - 1, as at the
         # (s + 1)-th token of a draft (EAGLE-3's training-time test).
         g = torch.cat([first, h[:, :-1]], dim=1)
-    return total, agree, int(r.numel())
+    return total, hits, covered
 
 
 def _init_lm_head(head: DraftHead, target: Any) -> None:
@@ -333,7 +372,7 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
                draft_vocab: int = 8192, steps: int | None = None, minutes: float | None = None, sampled: int = 1,
                unroll: int = 2, lr: float = 3e-4, held_out: float = 0.1, max_new_tokens: int = 128, seed: int = 0,
                name: str = "", always: Sequence[int] = (), eval_every: int | None = None, resume: bool = True,
-               batch: int = 1, drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
+               batch: int = 1, lookup_ignore: Sequence[int] = (), drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
                progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
     """Train a head for ``target`` on ``items`` and save the best one to ``out_dir`` (see the
     module docstring). Stops after ``steps`` optimizer steps or ``minutes`` of training,
@@ -370,7 +409,7 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
                     "outputs": [(o.item, o.tokens, o.features, o.final) for o in outputs]}, outputs_path)
     decode_seconds = time.perf_counter() - t0
     vd = draft_vocabulary(outputs, draft_vocab, vocab.eos_token_id, always)
-    seqs = featurize(target, outputs, vd)
+    seqs = featurize(target, outputs, vd, frozenset(lookup_ignore))
     del outputs
     if not seqs:
         raise InvalidOptionError("Invalid training data: no item produced an output the grammar does not force.")
@@ -384,19 +423,21 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
     held, train = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]] or [seqs[order[0]]]
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
     best, losses, step = -1.0, [], 0
+    hard: float | None = None
     ckpt_path = out / CHECKPOINT_FILE
     if resume and ckpt_path.is_file():
         ckpt = torch.load(ckpt_path, weights_only=False)
         if ckpt.get("fingerprint") == fingerprint:
             head.load_state_dict(ckpt["head"])
             opt.load_state_dict(ckpt["optimizer"])
-            step, best, losses = ckpt["step"], ckpt["best"], ckpt["losses"]
+            step, best, losses, hard = ckpt["step"], ckpt["best"], ckpt["losses"], ckpt.get("hard")
     eval_every = eval_every or max(1, min(len(train), 200))
     deadline = time.perf_counter() + 60 * minutes if minutes is not None else math.inf
     t_train = time.perf_counter()
     while (steps is None or step < steps) and time.perf_counter() < deadline:
         seq = train[step % len(train)]
-        loss, _, n = _losses(head, seq, unroll)
+        loss, hits, _ = _losses(head, seq, unroll)
+        n = int(hits.numel())
         if n:
             done = step / steps if steps is not None else 0.0
             if minutes is not None:
@@ -411,21 +452,23 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
         step += 1
         last = (steps is not None and step == steps) or time.perf_counter() >= deadline
         if step % eval_every == 0 or last:
-            agreement = evaluate(head, held or train)
+            agreement, hard_now = agreements(head, held or train)
             if agreement > best:
-                best = agreement
+                best, hard = agreement, hard_now
                 head.save(out)
             torch.save({"fingerprint": fingerprint, "head": head.state_dict(), "optimizer": opt.state_dict(),
-                        "step": step, "best": best, "losses": losses}, ckpt_path)
+                        "step": step, "best": best, "hard": hard, "losses": losses}, ckpt_path)
             if progress:
                 recent = losses[-eval_every:]
                 total = steps if steps is not None else step + max(0, int((deadline - time.perf_counter()) /
                                                                           max(1e-9, (time.perf_counter() - t_train) / max(1, step))))
-                progress(TrainProgress("train", step, total, sum(recent) / max(1, len(recent)), agreement, best))
+                progress(TrainProgress("train", step, total, sum(recent) / max(1, len(recent)), agreement, best,
+                                       hard_now))
     if best < 0:
-        best = evaluate(head, held or train)
+        best, hard = agreements(head, held or train)
         head.save(out)
-    return TrainReport(len(seqs), len(held), step, time.perf_counter() - t0, len(vd), best, decode_seconds, losses)
+    return TrainReport(len(seqs), len(held), step, time.perf_counter() - t0, len(vd), best, decode_seconds, losses,
+                       hard)
 
 
 def decayed_lr(lr: float, done: float) -> float:
@@ -437,14 +480,22 @@ def decayed_lr(lr: float, done: float) -> float:
 @torch.no_grad()
 def evaluate(head: DraftHead, sequences: Sequence[TrainingSequence]) -> float:
     """First-token agreement of the head with the target's masked argmax at unforced positions."""
+    return agreements(head, sequences)[0]
+
+
+@torch.no_grad()
+def agreements(head: DraftHead, sequences: Sequence[TrainingSequence]) -> tuple[float, float | None]:
+    """First-token agreement at the unforced positions, and at those of them prompt lookup
+    would miss (None where there are none)."""
     was = head.training
     head.eval()
-    agree = count = 0
+    agree = count = hard = hard_count = 0
     for seq in sequences:
-        _, a, n = _losses(head, seq, 1)
-        agree, count = agree + a, count + n
+        _, hits, covered = _losses(head, seq, 1)
+        agree, count = agree + int(hits.sum()), count + int(hits.numel())
+        hard, hard_count = hard + int(hits[~covered].sum()), hard_count + int((~covered).sum())
     head.train(was)
-    return agree / count if count else 0.0
+    return (agree / count if count else 0.0), (hard / hard_count if hard_count else None)
 
 
 def load_items(handle: Any, path: str | Path, *, limit: int | None = None) -> tuple[list[tuple[str, list[int], CompiledConstraint]], list[str]]:
@@ -505,5 +556,6 @@ def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "
     return train_head(handle.model, handle.tokenizer, items, out, draft_vocab=draft_vocab, steps=steps, minutes=minutes,
                       sampled=sampled, max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
                       always=sorted(structural_tokens(handle.vocabulary)), resume=resume, batch=batch,
+                      lookup_ignore=sorted(structural_tokens(handle.vocabulary)),
                       drafter_for=drafter_for,
                       progress=progress)
