@@ -163,6 +163,8 @@ def test_a_few_training_steps_learn_the_target_and_the_saved_head_drafts_exactly
     untrained = DraftHead(head.config, target.get_input_embeddings()).double()
     assert evaluate(head.float(), seqs) > evaluate(untrained.float(), seqs) + 0.1
     assert report.best_agreement >= 0.6
+    assert len(report.losses) == 120 and all(isinstance(x, float) for x in report.losses)
+    assert report.hard_agreement is None or 0.0 <= report.hard_agreement <= 1.0
     m1 = compiled.matcher()
     ref = decode(target, compiled.matcher(), PROMPT, max_new_tokens=16)
     res = decode(target, m1, PROMPT, drafter=HeadDrafter(head.double(), m1), k_policy=FixedK(3), max_new_tokens=16)

@@ -467,8 +467,8 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
     if best < 0:
         best, hard = agreements(head, held or train)
         head.save(out)
-    return TrainReport(len(seqs), len(held), step, time.perf_counter() - t0, len(vd), best, decode_seconds, losses,
-                       hard)
+    return TrainReport(len(seqs), len(held), step, time.perf_counter() - t0, len(vd), best, decode_seconds,
+                       hard_agreement=hard, losses=losses)
 
 
 def decayed_lr(lr: float, done: float) -> float:
