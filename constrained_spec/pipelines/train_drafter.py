@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from ..constraint import CompiledConstraint, Matcher, State, vocabulary_of
 from ..decoding import AdaptiveK, FixedK, SpeculativeDecoder
@@ -195,21 +196,21 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
         from ..decoding.engine import BatchEngine
 
         engine = BatchEngine(target, max_batch=batch, prefix_cache=False)
-        pending = {}
-        for i, temp, run_seed in runs:
+        submitted = {}  # request id -> (its run's index, its recorder)
+        for n, (i, temp, run_seed) in enumerate(runs):
             matcher, recorder, drafter, k_policy = start(i, run_seed)
             req = engine.submit(items[i][0], matcher, drafter=drafter, k_policy=k_policy, temperature=temp,
                                 seed=run_seed, max_new_tokens=max_new_tokens)
-            pending[req.id] = (len(pending), i, recorder, req)
-        done: dict[int, tuple[int, list[int], FeatureRecorder]] = {}
+            submitted[req.id] = (n, recorder)
+        finished: list[tuple[int, list[int], FeatureRecorder]] = []
         for req in engine.run():
-            n, i, recorder, _ = pending.pop(req.id)
             if req.error is not None:
                 raise req.error
-            done[n] = (i, req.result.tokens, recorder)
-            report(len(done))
-        for n in sorted(done):  # the runs' order, whatever order they finished in
-            keep(*done[n])
+            n, recorder = submitted[req.id]
+            finished.append((n, req.result.tokens, recorder))
+            report(len(finished))
+        for n, tokens, recorder in sorted(finished, key=lambda f: f[0]):  # the runs' order, not the finishing one
+            keep(runs[n][0], tokens, recorder)
         return out
     for n, (i, temp, run_seed) in enumerate(runs):
         matcher, recorder, drafter, k_policy = start(i, run_seed)
@@ -237,8 +238,12 @@ def lookup_covered(ids: Sequence[int], rows: Sequence[int], ignore: frozenset[in
     """For each position ``t`` of ``rows``: whether prompt lookup on ``ids[: t + 1]`` has
     ``ids[t + 1]`` among its candidates (the longest n-gram, at most ``max_ngram``, ending at
     ``t`` that occurred before; its ``max_candidates`` most recent occurrences; a lone token of
-    ``ignore`` makes no match), as ``drafters.lookup`` drafts. Those positions cost the head
-    nothing to miss inside "auto"."""
+    ``ignore`` makes no match). Those positions cost the head nothing to miss inside "auto".
+
+    An approximation of ``drafters.lookup``, written again because that one needs the request's
+    matcher: it picks the candidate the constraint accepts furthest and falls back to shorter
+    n-grams when the constraint cuts every candidate; and it also skips longer n-grams made only
+    of ``ignore`` tokens, which this counts as matches."""
     index: dict[tuple[int, ...], list[int]] = {}
     for n in range(1, max_ngram + 1):
         for j in range(len(ids) - n + 1):
@@ -306,8 +311,6 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
     unforced positions, teacher-forced and then ``unroll - 1`` passes on its own states; per
     position, whether its first draft token is the target's argmax, and whether prompt lookup
     covers it (all False when unknown)."""
-    from transformers import DynamicCache
-
     ids = torch.tensor(seq.ids)
     T = len(seq.ids)
     # Pair j = (g_j, x_{j+1}) predicts x_{j+2}; the law of ids[t + 1] is at pair t - 1.
@@ -553,9 +556,8 @@ def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "
     texts = [text for text, _, _ in rows]
     drafter_for = lambda i, matcher: build_drafter("hybrid", matcher, handle.tokenizer, source_text=texts[i],  # noqa: E731
                                                    head=False)
+    structural = sorted(structural_tokens(handle.vocabulary))  # always drafted; no lookup match alone
     return train_head(handle.model, handle.tokenizer, items, out, draft_vocab=draft_vocab, steps=steps, minutes=minutes,
                       sampled=sampled, max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
-                      always=sorted(structural_tokens(handle.vocabulary)), resume=resume, batch=batch,
-                      lookup_ignore=sorted(structural_tokens(handle.vocabulary)),
-                      drafter_for=drafter_for,
-                      progress=progress)
+                      always=structural, resume=resume, batch=batch, lookup_ignore=structural,
+                      drafter_for=drafter_for, progress=progress)
