@@ -304,6 +304,38 @@ def test_int8_and_bfloat16_weights_load_close_and_draft_exactly(setup, tmp_path)
     assert size["int8"] < 0.8 * size["bfloat16"]
 
 
+def test_int8_weights_run_on_the_int8_kernel_close_to_their_dequantized_law_and_draft_exactly(setup, tmp_path):
+    """A float32 head saved as int8 keeps its int8 bytes and runs them on torch's int8 kernel:
+    every linear layer is replaced, its logits stay within bfloat16 rounding of the same head
+    dequantized, and greedy drafting still gives the target-only output."""
+    from constrained_spec.drafters.int8_linear import Int8Linear, int8_kernel_available
+
+    if not int8_kernel_available():
+        pytest.skip("this torch has no int8 weight-only CPU kernel")
+    vocab, compiled, _, _ = setup
+    target = tiny_llama(MODEL_VOCAB, seed=1, dtype=torch.float32)
+    make_head(target, vocab.fingerprint).float().save(tmp_path / "int8", weights="int8")
+    kernel = load_head(tmp_path / "int8", target, vocab.fingerprint)  # float32 target: the kernel by default
+    plain = load_head(tmp_path / "int8", target, vocab.fingerprint, int8_kernel=False)
+    linears = [m for m in kernel.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears and sum(isinstance(m, Int8Linear) for m in kernel.modules()) == 10  # fc, proj, q, k, v, o, gate, up, down, lm_head
+    g = torch.randn(1, 6, len(kernel.config.taps) * kernel.config.hidden_size)
+    tokens, pos = torch.tensor([[1, 3, 4, 1, 6, 3]]), torch.arange(6)[None]
+    with torch.no_grad():
+        a = kernel(kernel.project_features(g), tokens, pos)[1]
+        b = plain(plain.project_features(g), tokens, pos)[1]
+    assert a.dtype == torch.float32 and (a - b).abs().max() <= 0.02 * b.abs().max()
+    kernel.save(tmp_path / "again", weights="int8")  # saved from the kernel: the same bytes back
+    again = load_head(tmp_path / "again", target, vocab.fingerprint, int8_kernel=False)
+    for (name, x), y in zip(plain.state_dict().items(), again.state_dict().values()):
+        assert torch.allclose(x, y, rtol=1e-2, atol=1e-6), name
+    for prompt in (PROMPT, [6, 6, 6, 1]):
+        m = compiled.matcher()
+        res = decode(target, m, prompt, drafter=HeadDrafter(kernel, m), k_policy=FixedK(3), max_new_tokens=16)
+        assert res.tokens == decode(target, compiled.matcher(), prompt, max_new_tokens=16).tokens
+        assert res.stats.drafted > 0
+
+
 def test_draft_false_a_directory_and_a_head_for_another_tokenizer(setup, tmp_path):
     from constrained_spec.api import DraftSource, resolve_draft
     from constrained_spec.decoding import SpecOptions

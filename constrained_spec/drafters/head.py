@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from ..constraint import Matcher, State
 from ..errors import InvalidOptionError, ModelLoadError, TokenizerMismatchError
 from .base import Draft, Drafter, draw_masked
+from .int8_linear import int8_kernel_available, use_int8_linears
 
 CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
@@ -120,9 +121,14 @@ class DraftHead(nn.Module):
         self.register_buffer("vocab_ids", torch.tensor(config.draft_vocab, dtype=torch.long), persistent=False)
         self._embed = [embed]  # a list: not registered as a submodule (not trained, not saved)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its norm's; int8 linears take and give it too)."""
+        return self.norm.weight.dtype
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self._embed[0](tokens).to(self.fc.weight.dtype)
+            return self._embed[0](tokens).to(self.dtype)
 
     def forward(self, g: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 cache: DynamicCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,13 +160,13 @@ class DraftHead(nn.Module):
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., taps * d]`` target features -> ``g`` ``[..., d]``."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        return self.fc(features.to(self.dtype))
 
     # -- saving and loading -------------------------------------------------------------------
     def save(self, directory: str | Path, *, weights: str = "float32") -> Path:
         """Write the config and the weights (safetensors) to ``directory``; returns it.
         ``weights``: "float32", "bfloat16" or "int8" (each matrix row scaled to int8: a
-        quarter of the bytes; loaded back to float32, see ``load_head``)."""
+        quarter of the bytes, run by the int8 kernel where ``load_head`` can, see there)."""
         from safetensors.torch import save_file
 
         if weights not in WEIGHT_FORMATS:
@@ -169,7 +175,12 @@ class DraftHead(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_FILE).write_text(json.dumps(asdict(self.config) | {"weights": weights}, indent=1) + "\n")
         state: dict[str, torch.Tensor] = {}
-        for k, v in self.state_dict().items():
+        raw = self.state_dict()
+        for k, v in raw.items():
+            if k.endswith(".scale") and raw.get(k[: -len("scale")] + "weight", v).dtype == torch.int8:
+                continue  # an int8 kernel's scales: folded into its weight below
+            if v.dtype == torch.int8:  # a head loaded onto the int8 kernel: its dequantized weights
+                v = v.float() * raw[k[: -len("weight")] + "scale"].float()[:, None]
             v = v.detach().float().contiguous().cpu()
             if weights == "int8" and v.dim() == 2:
                 scale = (v.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
@@ -181,10 +192,16 @@ class DraftHead(nn.Module):
         return out
 
 
-def load_head(directory: str | Path, target: Any, tokenizer_fingerprint: str) -> DraftHead:
+def load_head(directory: str | Path, target: Any, tokenizer_fingerprint: str, *,
+              int8_kernel: bool | None = None) -> DraftHead:
     """The head saved in ``directory``, for ``target`` (its embedding is shared). Raises
     ``TokenizerMismatchError`` when the head was trained for another tokenizer and
-    ``ModelLoadError`` when the directory holds no head or one shaped for another model."""
+    ``ModelLoadError`` when the directory holds no head or one shaped for another model.
+
+    Computed in the target's dtype when that is float64 (exactness tests), else float32. Int8
+    weights stay int8 and run on the int8 kernel (``int8_linear``: a quarter of the bytes per
+    draft token) when ``int8_kernel`` is True, or None and the head computes in float32 on a
+    torch that has the kernel; otherwise they are dequantized."""
     from safetensors.torch import load_file
 
     path = Path(directory)
@@ -212,7 +229,12 @@ def load_head(directory: str | Path, target: Any, tokenizer_fingerprint: str) ->
     except RuntimeError as e:
         raise ModelLoadError(f"Invalid draft head {str(path)!r}: its weights do not fit its config ({e}).") from None
     dtype = target.get_input_embeddings().weight.dtype
-    return head.to(torch.float64 if dtype == torch.float64 else torch.float32).eval()
+    head = head.to(torch.float64 if dtype == torch.float64 else torch.float32).eval()
+    if int8_kernel is None:
+        int8_kernel = head.dtype == torch.float32 and int8_kernel_available()
+    if int8_kernel:
+        use_int8_linears(head, stored, SCALE_SUFFIX)
+    return head
 
 
 def shipped_head_dir(target: Any, tokenizer_fingerprint: str) -> Path | None:
