@@ -166,3 +166,34 @@ def test_llguidance_deadline_raises_in_time(smol_tokenizer, monkeypatch):
         compile_constraint("[0-9]+", smol_tokenizer, kind="regex", backend="llguidance", timeout_s=0.05)
     assert time.perf_counter() - t0 < 1
     assert not mp.active_children()
+
+
+@pytest.mark.parametrize("prefix, explored, then", [
+    ('{"a":', ' {"b":', ' ["'),
+    ('{"a": {"required":', ' {"array":', ' ["'),  # the held-out generation prompt where it was seen
+])
+def test_a_walk_back_from_an_explored_draft_gives_the_masks_of_a_fresh_replay(smol_tokenizer, prefix, explored, then):
+    """Masks computed along a draft that opened a nested object's key, then a different token
+    from the draft's start: every mask equals a fresh matcher's along the same tokens. With
+    llguidance 1.9.1's rollback the third mask allowed '":' inside the array and refused '",'
+    (greedy speculative output then left target-only output); the matcher now moves back by
+    copying a snapshot, never by rolling back."""
+    ids = lambda text: smol_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    compiled = compile_constraint({"type": "object"}, smol_tokenizer, backend="llguidance")
+    m = compiled.matcher()
+    start = m.walk(m.initial_state, ids(prefix))[-1]
+    draft = m.walk(start, ids(explored))
+    assert len(draft) == len(ids(explored)) + 1
+    for state in draft:
+        m.allowed_mask(state)
+    after = m.next_state(start, ids(then)[0])
+    assert after is not None
+    fresh = compiled.matcher()
+    path = ids(prefix) + ids(then)[:1]
+    expected = fresh.allowed_mask(fresh.walk(fresh.initial_state, path)[-1])
+    assert torch.equal(m.allowed_mask(after), expected)
+    # And back down the explored draft: its masks again equal a fresh replay's.
+    for state, n in zip(draft[1:], range(1, len(draft))):
+        replay = compiled.matcher()
+        want = replay.allowed_mask(replay.walk(replay.initial_state, ids(prefix) + ids(explored)[:n])[-1])
+        assert torch.equal(m.allowed_mask(state), want)

@@ -31,6 +31,10 @@ BACKEND = "llguidance"
 #: its draft path (at most K_max + 1) and of the state it starts from. 128 (6 MiB) rather than
 #: 512: 16 rows of 24 MiB each churned the server's heap (seen in the soak's memory).
 MAX_CACHED_MASKS = 128
+#: Matcher snapshots kept (one per trie node, taken when the node is first reached); a node
+#: whose snapshot was dropped is reached from its nearest ancestor that has one (the root's
+#: is always kept). A deep copy took 4 us here.
+MAX_SNAPSHOTS = 4096
 #: llguidance's default lexer fuel per mask step (200k) runs out inside long bounded patterns
 #: (``^(\\S+\\s+){0,99}\\S+$`` with ``maxLength: 5000``) and then silently disallows valid
 #: bytes, narrowing the language. 100 times more keeps such strings (measured: a 100-character
@@ -130,6 +134,7 @@ class GuidanceMatcher(Matcher):
         self._child: dict[tuple[int, int], int] = {}
         self._rejected: set[tuple[int, int]] = set()
         self._at = 0
+        self._snapshots: dict[int, Any] = {0: self._matcher.deep_copy()}
         self._masks: dict[int, torch.Tensor] = {}
         self._final: dict[int, bool] = {}
         self._done: dict[int, bool] = {}
@@ -144,23 +149,25 @@ class GuidanceMatcher(Matcher):
         return self._memo
 
     def _goto(self, node: int) -> None:
-        """Move the ``LLMatcher`` to ``node``: roll back to the common ancestor, consume down."""
+        """Move the ``LLMatcher`` to ``node``: from ``_at`` when ``node`` lies below it, else from
+        the snapshot of ``node`` (or of its nearest ancestor that has one), consuming down.
+
+        Never by ``LLMatcher.rollback``: in llguidance 1.9.1 a mask computed inside a nested
+        object's key, then rolled back past the object and followed by another token, left the
+        matcher in a state a fresh replay of the same tokens does not reach (its masks allowed
+        '":' inside an array and refused '",'): greedy speculative output then departed from
+        target-only output (``tests/test_backends.py`` replays the case). Consuming forward from
+        a copy is what target-only decoding does, and a copy costs microseconds.
+        """
         if node == self._at:
             return
-        a, b = self._at, node
         down: list[int] = []
-        while self._depth[a] > self._depth[b]:
-            a = self._parent[a]
-        while self._depth[b] > self._depth[a]:
+        b = node
+        while b != self._at and b not in self._snapshots:
             down.append(self._token[b])
             b = self._parent[b]
-        while a != b:
-            a = self._parent[a]
-            down.append(self._token[b])
-            b = self._parent[b]
-        up = self._depth[self._at] - self._depth[a]
-        if up:
-            self._matcher.rollback(up)
+        if b != self._at:
+            self._matcher = self._snapshots[b].deep_copy()
         if down:
             self._matcher.consume_tokens(down[::-1])
         self._at = node
@@ -189,6 +196,9 @@ class GuidanceMatcher(Matcher):
         self._depth.append(self._depth[state] + 1)
         self._child[key] = child
         self._at = child
+        if len(self._snapshots) >= MAX_SNAPSHOTS:  # the oldest after the root's
+            del self._snapshots[next(k for k in self._snapshots if k != 0)]
+        self._snapshots[child] = self._matcher.deep_copy()
         return child
 
     def allowed_mask(self, state: State) -> torch.Tensor:
