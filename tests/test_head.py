@@ -374,6 +374,64 @@ def test_a_head_that_does_not_pay_is_not_drafted():
     assert fresh.draft_room(["grammar"] * 6, "head", 4, 0.0) <= fresh.draft_room([], "head", 4, 0.0)
 
 
+def test_a_head_token_is_weighed_at_its_confidence_and_gated_before_it_is_drawn():
+    """The acceptance of a gated token comes from its confidence bucket, calibrated on the
+    verdicts: confident tokens that were accepted and unsure ones that were rejected make the
+    gate pass the first and refuse the second (with a probe now and then); a baseline K opens
+    every gate; trim keeps what the calibration says pays."""
+    from constrained_spec.decoding import AdaptiveK
+
+    policy = AdaptiveK(8, deterministic=True)
+    assert policy.alpha_at("head", 0.99) > policy.alpha_at("head", 0.6) > policy.alpha_at("head", 0.2)
+    assert policy.alpha_at("head", None) == policy.alpha("head")
+    for _ in range(30):
+        policy.update(["head", "head"], 2, None, 0.0, [0.97, 0.99])  # confident: accepted
+        policy.update(["head"], 0, None, 0.0, [0.6])  # unsure: rejected
+    assert policy.alpha_at("head", 0.97) > 0.9 and policy.alpha_at("head", 0.6) < 0.1
+    assert policy.alpha_at("head+", 0.99) > 0.9
+    gate = policy.costly_gate([], None, "head", 0.0)
+    assert gate(0.97) and gate(0.99)  # a confident run goes on
+    refused = sum(not policy.costly_gate([], None, "head", 0.0)(0.6) for _ in range(16))
+    assert 12 <= refused < 16  # refused, but probed now and then
+    assert FixedK(3).costly_gate([], None, "head", 0.0)(0.01)
+    assert policy.trim(["head", "head"], [0.97, 0.99]) == 2
+    assert policy.trim(["head", "head"], [0.6, 0.99]) <= 1  # stops at the unsure first (a probe may keep it)
+
+
+class PeekingHead(HeadDrafter):
+    """Known-wrong: keeps its draft only up to the first token that is not the mode of its own
+    law there, so the draft length depends on the tokens drawn (which a confidence gate, asked
+    before the draw, never does). Drafting at temperature 10, so the mode is often not drawn."""
+
+    def propose(self, context, state, k):
+        d = super().propose(context, state, k)
+        if d.q is not None:
+            keep = next((i for i, (t, row) in enumerate(zip(d.tokens, d.q)) if int(row.argmax()) != t), len(d.tokens))
+            d = d.prefix(keep)
+        return d
+
+
+def test_sampling_with_a_confidence_gated_head_is_exact(setup):
+    """The adaptive policy (seeded: deterministic estimates) gates the head by its confidence;
+    the enumerated law still holds. Power: as in test_exactness (N = 3000); the control, whose
+    draft length depends on the token it drew, must fail the same test (N_CONTROL draws)."""
+    from constrained_spec.decoding import AdaptiveK
+
+    _, compiled, target, head = setup
+    law = exact_law(compiled, target, PROMPT)
+
+    def run(make, seed):
+        m = compiled.matcher()
+        policy = AdaptiveK(3, costly_draft=True, costly_kind="head", deterministic=True)
+        return decode(target, m, PROMPT, drafter=make(m), k_policy=policy, temperature=1.0, seed=seed,
+                      max_new_tokens=16).tokens
+
+    pv = sample_pvalue(law, lambda s: run(lambda m: HeadDrafter(head, m, temperature=1.0), s))
+    assert pv > 1e-3
+    bad = sample_pvalue(law, lambda s: run(lambda m: PeekingHead(head, m, temperature=10.0), s), n=N_CONTROL)
+    assert bad < 1e-4
+
+
 def test_the_head_drafts_before_lookup_only_where_lookup_is_mostly_rejected():
     from constrained_spec.decoding import AdaptiveK
 
@@ -412,6 +470,32 @@ def test_a_preferred_head_drafts_where_lookup_could_and_the_output_is_unchanged(
         kinds[type(policy).__name__] = res.stats.per_kind
     assert kinds["HeadFirst"].get("head", {}).get("drafted", 0) > kinds["FixedK"].get("head", {}).get("drafted", 0)
     assert kinds["HeadFirst"].get("lookup", {}).get("drafted", 0) < kinds["FixedK"].get("lookup", {}).get("drafted", 0)
+
+
+def test_the_hybrid_gates_its_head_and_the_head_alone_gates_itself(setup):
+    """A budget whose gate refuses every head token leaves the head out of the hybrid's drafts
+    and of its own (drafting alone); the output stays the target-only output either way."""
+    from constrained_spec.drafters import LookupDrafter
+    from constrained_spec.drafters.hybrid import HybridDrafter
+
+    _, compiled, target, head = setup
+
+    class Shut(FixedK):
+        def costly_gate(self, kinds, confidence, kind, seconds_per_token):
+            return lambda c: False
+
+    prompt = [6, 6, 6, 1]  # lookup has nothing here: the head is asked
+    ref = decode(target, compiled.matcher(), prompt, max_new_tokens=16)
+    drafted = {}
+    for policy in (FixedK(4), Shut(4)):
+        for alone in (False, True):
+            m = compiled.matcher()
+            drafter = HeadDrafter(head, m) if alone else HybridDrafter([LookupDrafter(m), HeadDrafter(head, m)])
+            res = decode(target, m, prompt, drafter=drafter, k_policy=policy, max_new_tokens=16)
+            assert res.tokens == ref.tokens
+            drafted[(type(policy).__name__, alone)] = res.stats.per_kind.get("head", {}).get("drafted", 0)
+    assert drafted[("FixedK", False)] > 0 and drafted[("FixedK", True)] > 0
+    assert drafted[("Shut", False)] == 0 and drafted[("Shut", True)] == 0
 
 
 def test_the_hybrid_asks_its_free_parts_most_likely_first(setup):

@@ -239,7 +239,7 @@ class SpeculativeDecoder:
             draft = self.drafter.propose(self.prompt_ids + self.output, self.state, k)
             # Verify only the prefix that is expected to pay; in a batch engine that may cut
             # the draft, its step budget decides instead (the single-request cost does not apply).
-            keep = len(draft.tokens) if self.budgeted else self.k_policy.trim(draft.token_kinds())
+            keep = len(draft.tokens) if self.budgeted else self.k_policy.trim(draft.token_kinds(), draft.confidence)
             if keep < len(draft.tokens):
                 draft = draft.prefix(keep)
         else:
@@ -326,7 +326,7 @@ class SpeculativeDecoder:
         # A batched step's time is the batch's, not this request's verify cost: only alone does it
         # teach the policy's cost curve (the prompt pass never does).
         verify_seconds = None if first or self.in_batch else forward_seconds
-        self.k_policy.update(draft.token_kinds(), n, verify_seconds, plan.t1 - plan.t0)
+        self.k_policy.update(draft.token_kinds(), n, verify_seconds, plan.t1 - plan.t0, draft.confidence)
         constraint_s = (plan.tc - plan.t1) + (t3 - t2) + (t6 - t5)
         st.target_forwards += 1
         st.drafted += k

@@ -273,7 +273,8 @@ class BatchEngine:
         cut = [(i, p) for i, p in live if self.active[i].decoder.budgeted and p.draft.tokens]
         if not cut:
             return live
-        survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds()) for i, p in cut]  # type: ignore[union-attr]
+        survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds(), p.draft.confidence)  # type: ignore[union-attr]
+                     for i, p in cut]
         fixed_tokens = sum(len(p.tokens) for _, p in live) - sum(len(p.draft.tokens) for _, p in cut)
         keep = dict(zip((i for i, _ in cut), choose_drafts(survivals, fixed_tokens, float(len(live)), self.cost)))
         return [(i, p.cut(keep[i]) if i in keep else p) for i, p in live]

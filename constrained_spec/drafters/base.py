@@ -4,8 +4,12 @@ As in transformers' candidate generators, a drafter has two real methods, ``prop
 (optionally) ``update`` from the verdict; the others are no-op hooks a drafter overrides when
 it needs them, so the decoder calls every hook on every drafter and never asks ``hasattr``.
 
-Every proposed token is allowed by the request's matcher when walked from the given state; a
-drafter never proposes EOS, so the draft law q is the drafter's own law over the allowed set
+Every proposed token is allowed by the request's matcher when walked from the given state
+(``next_state``, not only the mask: llguidance's mask may allow a token its parser then refuses,
+seen on a held-out schema for '":' closing a key; such a token cannot be emitted, target-only
+decoding stops there with a DeadEndError, so a sampling drafter that draws one ends its draft
+before it: greedy output is unchanged, and the sampled law departs only in those states, where
+it ends in that error); a drafter never proposes EOS, so the draft law q is the drafter's own law over the allowed set
 minus EOS (the target still emits EOS as a recovered or bonus token). Deterministic drafters
 (forced text, copy, lookup) return ``q = None``: q is one-hot at the proposal.
 """
@@ -13,7 +17,7 @@ minus EOS (the target still emits EOS as a recovered or bonus token). Determinis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -35,6 +39,17 @@ class DraftBudget(Protocol):
         """The order (indices into ``free_kinds``) in which free parts are asked for the next
         position after ``kinds``: the most likely to be accepted there first."""
 
+    def costly_gate(self, kinds: Sequence[str], confidence: Sequence[float | None] | None, kind: str,
+                    seconds_per_token: float) -> "DraftGate":
+        """A gate for a costly part that knows its confidence, after ``kinds`` (with their
+        confidences) so far: see ``DraftGate``."""
+
+
+#: Called by a drafter with the confidence of its next token (its probability of the token it
+#: would draft there, known before the token is drawn); True while that token is worth drafting.
+#: Deciding from what is known before the draw keeps the verifier exact.
+DraftGate = Callable[[float], bool]
+
 
 @dataclass
 class Draft:
@@ -46,6 +61,9 @@ class Draft:
         q: ``[k, V]`` draft probabilities, or None for a deterministic drafter.
         kind: the drafter that made it; ``kinds``: the drafter behind each token (hybrid drafts
             mix kinds), defaulting to ``kind``.
+        confidence: per token, its drafter's probability of it before it was drawn (a learned
+            head's), None where unknown; None: unknown for all. The K policy estimates a token's
+            acceptance from it where given.
     """
 
     tokens: list[int]
@@ -53,15 +71,21 @@ class Draft:
     q: torch.Tensor | None = None
     kind: str = "none"
     kinds: list[str] | None = None
+    confidence: list[float | None] | None = None
 
     def token_kinds(self) -> list[str]:
         """The drafter kind behind each token."""
         return self.kinds if self.kinds is not None else [self.kind] * len(self.tokens)
 
+    def token_confidence(self) -> list[float | None]:
+        """The confidence behind each token (None where unknown)."""
+        return self.confidence if self.confidence is not None else [None] * len(self.tokens)
+
     def prefix(self, keep: int) -> "Draft":
-        """The first ``keep`` tokens, with their states, q rows and kinds."""
+        """The first ``keep`` tokens, with their states, q rows, kinds and confidences."""
         return Draft(self.tokens[:keep], self.states[: keep + 1], self.q[:keep] if self.q is not None else None,
-                     self.kind, self.kinds[:keep] if self.kinds is not None else None)
+                     self.kind, self.kinds[:keep] if self.kinds is not None else None,
+                     self.confidence[:keep] if self.confidence is not None else None)
 
 
 class Drafter:
@@ -82,6 +106,14 @@ class Drafter:
     def propose(self, context: list[int], state: State, k: int) -> Draft:
         """Up to ``k`` tokens continuing ``context`` (prompt + output so far) from matcher ``state``."""
         raise NotImplementedError
+
+    #: Whether ``propose_gated`` asks its gate before each token (a drafter that knows its confidence).
+    confidence_gated: bool = False
+
+    def propose_gated(self, context: list[int], state: State, k: int, gate: DraftGate) -> Draft:
+        """``propose``, drafting each token only while ``gate`` accepts its confidence (a
+        drafter that knows none drafts as ``propose`` does: ``confidence_gated`` is False)."""
+        return self.propose(context, state, k)
 
     def update(self, draft: Draft, accepted: int, next_token: int) -> None:
         """See the verdict on ``draft``: ``accepted`` tokens passed, then ``next_token`` came."""

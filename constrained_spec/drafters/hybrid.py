@@ -83,23 +83,30 @@ class HybridDrafter(Drafter):
         tokens: list[int] = []
         states = [state]
         kinds: list[str] = []
+        confidence: list[float | None] = []
         q_rows: list[torch.Tensor | None] = []
         while len(tokens) < k:
             grew = False
             for part in self._order(kinds):
                 room = k - len(tokens)
+                gate = None
                 if part.name in COSTLY_KINDS:
                     room = min(room, self.max_model_tokens)
-                    if self.budget is not None:
+                    if self.budget is not None and part.confidence_gated:
+                        # Each of its tokens is weighed at its own confidence as it is drafted.
+                        gate = self.budget.costly_gate(kinds, confidence, part.name, part.seconds_per_token)
+                    elif self.budget is not None:
                         room = self.budget.draft_room(kinds, part.name, room, part.seconds_per_token)
                     if room <= 0:
                         continue
-                d = part.propose(context + tokens, states[-1], room)
+                ctx = context + tokens
+                d = part.propose(ctx, states[-1], room) if gate is None else part.propose_gated(ctx, states[-1], room, gate)
                 if not d.tokens:
                     continue
                 tokens += d.tokens
                 states += d.states[1:]
                 kinds += d.token_kinds()
+                confidence += d.token_confidence()
                 q_rows += list(d.q) if d.q is not None else [None] * len(d.tokens)
                 grew = True
                 break  # start again from the first part: forced text may follow a copied span
@@ -109,7 +116,8 @@ class HybridDrafter(Drafter):
         if any(r is not None for r in q_rows):
             v = next(r for r in q_rows if r is not None).shape[0]
             q = torch.stack([r if r is not None else _one_hot(t, v) for r, t in zip(q_rows, tokens)])
-        return Draft(tokens, states, q, self.name, kinds)
+        return Draft(tokens, states, q, self.name, kinds,
+                     confidence if any(c is not None for c in confidence) else None)
 
     def _order(self, kinds: list[str]) -> list[Drafter]:
         """The parts in the order they are asked at the next position: the free parts before the

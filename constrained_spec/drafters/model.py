@@ -80,10 +80,13 @@ class ModelDrafter(Drafter):
                 break
             masked = apply_mask(logits.double(), mask)
             x, q = draw_masked(masked, self.temperature, self.generator)
+            nxt = self.matcher.next_state(s, x)
+            if nxt is None:  # the mask allowed what the parser refuses (see drafters.base)
+                break
             if q is not None:
                 qs.append(q)
             tokens.append(x)
-            states.append(self.matcher.next_state(s, x))  # type: ignore[arg-type]
+            states.append(nxt)
             if i + 1 < k:
                 logits = self._feed([x])
         return Draft(tokens, states, torch.stack(qs) if qs else None, self.name)
