@@ -391,10 +391,11 @@ class AdaptiveK:
         """A gate for a costly drafter that knows its confidence (a learned head): its next
         token is drafted while it raises the expected tokens per unit of step cost, that token's
         acceptance taken from its confidence bucket (``alpha_at``), its cost its verify share
-        and the drafter's steps after the first (whose law it has computed when it asks). The gate sees each token's confidence
-        before the token is drawn (a property of the draft prefix), so whether a position is
-        drafted never depends on the token drawn there and the output law is untouched. A
-        first token refused counts towards the probes of ``draft_room``."""
+        and the drafter's steps after the first (whose law it has computed when it asks). The
+        gate sees each token's confidence before the token is drawn (a property of the draft
+        prefix), so whether a position is drafted never depends on the token drawn there and the
+        output law is untouched. A first token refused counts towards the probes of
+        ``draft_room``."""
         c = self._costly_ratio(seconds_per_token)
         extra = self._curve.extra
         base = len(kinds)
@@ -505,9 +506,9 @@ class AdaptiveK:
             self._trials[key] = self._trials.get(key, 0.0) * self.decay
         confs = _padded(confidence, len(kinds))
         examined = list(zip(keys, confs))[: accepted + 1]  # positions after the first rejection were not examined
-        for bucket in {(key, confidence_bucket(conf)) for key, conf in examined if conf is not None}:
+        for gated in {key for key, conf in examined if conf is not None}:  # once per key a step
             for b in range(len(CONFIDENCE_EDGES)):
-                cell = (bucket[0], b)
+                cell = (gated, b)
                 if cell in self._conf_trials:
                     self._conf_succ[cell] *= CONFIDENCE_DECAY
                     self._conf_trials[cell] *= CONFIDENCE_DECAY

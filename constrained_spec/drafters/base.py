@@ -5,12 +5,11 @@ As in transformers' candidate generators, a drafter has two real methods, ``prop
 it needs them, so the decoder calls every hook on every drafter and never asks ``hasattr``.
 
 Every proposed token is allowed by the request's matcher when walked from the given state
-(``next_state``, not only the mask: llguidance's mask may allow a token its parser then refuses,
-seen on a held-out schema for '":' closing a key; such a token cannot be emitted, target-only
-decoding stops there with a DeadEndError, so a sampling drafter that draws one ends its draft
-before it: greedy output is unchanged, and the sampled law departs only in those states, where
-it ends in that error); a drafter never proposes EOS, so the draft law q is the drafter's own law over the allowed set
-minus EOS (the target still emits EOS as a recovered or bonus token). Deterministic drafters
+(``next_state``, not only the mask: should a mask ever allow a token the parser refuses, as
+llguidance's rollback once made it do, see ``constraint.llguidance``, that token cannot be
+emitted, target-only decoding stops there with a DeadEndError, and a drafter that draws it ends
+its draft before it); a drafter never proposes EOS, so the draft law q is the drafter's own law
+over the allowed set minus EOS (the target still emits EOS as a recovered or bonus token). Deterministic drafters
 (forced text, copy, lookup) return ``q = None``: q is one-hot at the proposal.
 """
 

@@ -58,8 +58,9 @@ def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: A
         return grammar
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     # Free drafts first (forced text, a copy from the prompt, lookup); then the head, which
-    # reads the target and is drafted only while its measured acceptance pays for its cost
-    # (the K policy's draft_room); a draft model last. Measured: the head before lookup made
+    # reads the target and drafts each token only where its acceptance, estimated at its
+    # confidence, pays for its cost (the K policy's costly_gate); a draft model last (its
+    # length from draft_room). Measured: the head before lookup made
     # the extraction bench 0.80x of auto without a head (lookup's spans are free and right).
     parts: list[Drafter | None] = [
         grammar,
