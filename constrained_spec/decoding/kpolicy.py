@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from ..drafters.base import Confidences, DraftGate
 from ..drafters.hybrid import COSTLY_KINDS
 from .linefit import LineSums
 
@@ -62,9 +63,6 @@ def confidence_bucket(confidence: float) -> int:
     return next((i for i, edge in enumerate(CONFIDENCE_EDGES) if confidence <= edge), len(CONFIDENCE_EDGES) - 1)
 
 
-#: Per drafted token: its drafter's confidence, or None (a kind estimated as a whole).
-Confidences = Sequence[float | None] | None
-
 
 def alpha_keys(kinds: Sequence[str]) -> list[str]:
     """The estimate each position uses: its kind, with "+" when it continues a run of that kind."""
@@ -94,7 +92,7 @@ class KPolicy(Protocol):
         proposal of ``kinds`` so far."""
 
     def costly_gate(self, kinds: Sequence[str], confidence: Confidences, kind: str,
-                    seconds_per_token: float) -> Callable[[float], bool]:
+                    seconds_per_token: float) -> DraftGate:
         """A gate for a costly drafter that knows its confidence: called with the confidence of
         each next token before it is drawn, True while that token is worth drafting."""
 
@@ -133,7 +131,7 @@ class FixedK:
         return room
 
     def costly_gate(self, kinds: Sequence[str], confidence: Confidences, kind: str,
-                    seconds_per_token: float) -> Callable[[float], bool]:
+                    seconds_per_token: float) -> DraftGate:
         """Always open: the baseline drafts what it is allowed."""
         return lambda c: True
 
@@ -387,7 +385,7 @@ class AdaptiveK:
         return out
 
     def costly_gate(self, kinds: Sequence[str], confidence: Confidences, kind: str,
-                    seconds_per_token: float) -> Callable[[float], bool]:
+                    seconds_per_token: float) -> DraftGate:
         """A gate for a costly drafter that knows its confidence (a learned head): its next
         token is drafted while it raises the expected tokens per unit of step cost, that token's
         acceptance taken from its confidence bucket (``alpha_at``), its cost its verify share
@@ -399,31 +397,19 @@ class AdaptiveK:
         c = self._costly_ratio(seconds_per_token)
         extra = self._curve.extra
         base = len(kinds)
-        survive, expected = 1.0, 1.0
-        for key, conf in zip(alpha_keys(kinds), _padded(confidence, base)):
-            survive *= self.alpha_at(key, conf)
-            expected += survive
-        run = {"survive": survive, "expected": expected, "value": expected / (1 + extra(base)), "j": 0,
-               "prev": kinds[-1] if kinds else None}
+        survive, expected = self._survival_sums(kinds, confidence)
+        value, j, prev = expected / (1 + extra(base)), 0, kinds[-1] if kinds else None
 
         def gate(conf: float) -> bool:
-            j = run["j"] + 1
-            key = kind + "+" if run["prev"] == kind else kind
-            s = run["survive"] * self.alpha_at(key, conf)
+            nonlocal survive, expected, value, j, prev
+            s = survive * self.alpha_at(kind + "+" if prev == kind else kind, conf)
             # The drafter has computed this token's law already (that is where its confidence
             # comes from): what drafting it adds is its verify share and the rolls for the
-            # tokens after it, so the j-th token is charged j - 1 of the drafter's own steps.
-            nxt = (run["expected"] + s) / (1 + extra(base + j) + c * (j - 1))
-            if nxt <= run["value"] + 1e-12:
-                if j > 1:
-                    return False
-                # Probe now and then (as draft_room does), so a bucket estimate that fell too
-                # low can recover.
-                self._skipped_costly += 1
-                if self._skipped_costly < self._costly_probe_gap:
-                    return False
-                self._skipped_costly = 0
-            run.update(survive=s, expected=run["expected"] + s, value=max(nxt, run["value"]), j=j, prev=kind)
+            # tokens after it, so the (j + 1)-th token is charged j of the drafter's own steps.
+            nxt = (expected + s) / (1 + extra(base + j + 1) + c * j)
+            if nxt <= value + 1e-12 and (j > 0 or not self._costly_probe_due()):
+                return False
+            survive, expected, value, j, prev = s, expected + s, max(nxt, value), j + 1, kind
             return True
 
         return gate
@@ -438,10 +424,7 @@ class AdaptiveK:
         extra = self._curve.extra
         base = len(kinds)
         keys = alpha_keys([*kinds, *([kind] * room)])
-        survive, expected = 1.0, 1.0
-        for key in keys[:base]:
-            survive *= self.alpha(key)
-            expected += survive
+        survive, expected = self._survival_sums(kinds)
         value, keep = expected / (1 + extra(base)), 0
         for j, key in enumerate(keys[base:], start=1):
             survive *= self.alpha(key)
@@ -449,12 +432,26 @@ class AdaptiveK:
             if nxt <= value + 1e-12:
                 break
             expected, value, keep = expected + survive, nxt, j
-        if keep == 0 and room:
-            # Probe now and then (as trim does), so an estimate that fell too low can recover.
-            self._skipped_costly += 1
-            if self._skipped_costly >= self._costly_probe_gap:
-                self._skipped_costly, keep = 0, 1
+        if keep == 0 and room and self._costly_probe_due():
+            keep = 1
         return keep
+
+    def _costly_probe_due(self) -> bool:
+        """Count a costly first token refused; True (and the count restarts) once the probe gap
+        is reached, so an estimate that fell too low can recover (as ``trim`` probes)."""
+        self._skipped_costly += 1
+        if self._skipped_costly < self._costly_probe_gap:
+            return False
+        self._skipped_costly = 0
+        return True
+
+    def _survival_sums(self, kinds: Sequence[str], confidence: Confidences = None) -> tuple[float, float]:
+        """(P(all of ``kinds`` accepted), 1 + the expected accepted tokens among them): where a
+        costly drafter's tokens start from."""
+        survive, expected = 1.0, 1.0
+        for p in self.survival(kinds, confidence):
+            survive, expected = p, expected + p
+        return survive, expected
 
     def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
         """Whether the costly kind (a learned head) should draft the next position before a free

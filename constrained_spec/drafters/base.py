@@ -38,7 +38,7 @@ class DraftBudget(Protocol):
         """The order (indices into ``free_kinds``) in which free parts are asked for the next
         position after ``kinds``: the most likely to be accepted there first."""
 
-    def costly_gate(self, kinds: Sequence[str], confidence: Sequence[float | None] | None, kind: str,
+    def costly_gate(self, kinds: Sequence[str], confidence: "Confidences", kind: str,
                     seconds_per_token: float) -> "DraftGate":
         """A gate for a costly part that knows its confidence, after ``kinds`` (with their
         confidences) so far: see ``DraftGate``."""
@@ -48,6 +48,8 @@ class DraftBudget(Protocol):
 #: would draft there, known before the token is drawn); True while that token is worth drafting.
 #: Deciding from what is known before the draw keeps the verifier exact.
 DraftGate = Callable[[float], bool]
+#: Per drafted token: its drafter's confidence, or None (a kind estimated as a whole); None: all unknown.
+Confidences = Sequence[float | None] | None
 
 
 @dataclass
