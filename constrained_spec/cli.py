@@ -550,6 +550,8 @@ def bench_cmd(
                 "constraint_share_of_step": "share", "head_acceptance_by_position": "head accepted by position",
                 "head_cost_vs_target_step": "head cost", "identical_outputs": "identical",
                 "field_accuracy": "fields right"}
+        if several:
+            cols["same_as_first_precision"] = f"= {several[0]} target-only"
         for c, header in cols.items():
             table.add_column(header, justify="left" if c in ("config", "acceptance_by_kind") else "right", no_wrap=True)
         for row in report["rows"]:

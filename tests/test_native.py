@@ -10,6 +10,7 @@ import torch
 
 from constrained_spec import ModelLoadError, load_model
 from constrained_spec.models.int4 import Int4Linear, dequantize_q4_1, unpack_q4_1
+from constrained_spec.models.q8_output import Q8OutputProjection, unpack_q8_0
 
 
 def random_q4_1(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -22,6 +23,42 @@ def random_q4_1(n: int, k: int, seed: int = 0) -> np.ndarray:
     blocks[..., 2:4] = m.view(np.uint8).reshape(n, k // 32, 2)
     blocks[..., 4:] = rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8)
     return blocks.reshape(n, -1)
+
+
+def random_q8_0(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw bytes of a random Q8_0 tensor of ``n`` rows of ``k`` weights."""
+    rng = np.random.default_rng(seed)
+    blocks = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    d = rng.uniform(0.0005, 0.02, size=(n, k // 32)).astype(np.float16)
+    blocks[..., 0:2] = d.view(np.uint8).reshape(n, k // 32, 2)
+    blocks[..., 2:] = rng.integers(-127, 128, size=(n, k // 32, 32), dtype=np.int8).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def test_q8_output_projection_holds_the_q8_0_weights_on_two_int4_calls():
+    """Q8_0 as two int4 matrices (``models.q8_output``): fed the identity, the pair returns the
+    stored weights up to the bfloat16 rounding of scales and outputs (a wrong nibble split or zero point
+    would be off by whole scales); each row's logits are the same alone or among others; a
+    float32 matrix that is not the tensor's dequantization is refused."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 128, 96
+    raw = random_q8_0(n, k, seed=4)
+    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(n, k).astype(np.float32))
+    q, d = unpack_q8_0(raw, (n, k))
+    assert torch.equal(exact, torch.from_numpy((q.reshape(n, k // 32, 32) * d.astype(np.float32)[..., None]).reshape(n, k)))
+    layer = Q8OutputProjection.from_q8_0(raw, exact)
+    got = layer(torch.eye(k)).T  # [n, k]: the effective weights
+    assert got.dtype == torch.float32
+    assert (got - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+    assert (got - exact).abs().max() > 0  # bfloat16 does round: the exact path is another path
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(layer(x), alone) and torch.equal(layer(x[None])[0, 3:7], alone[3:7])
+    assert layer(x[:0]).shape == (0, n)
+    with pytest.raises(ValueError, match="does not dequantize"):
+        Q8OutputProjection.from_q8_0(raw, exact + 1e-3)
 
 
 def test_unpacking_matches_gguf():
@@ -110,8 +147,9 @@ def test_prompt_rows_take_the_dense_path_and_new_rows_keep_their_bits():
 def test_bad_precision_is_refused():
     with pytest.raises(ModelLoadError, match="Invalid precision"):
         load_model(precision="int3")
-    with pytest.raises(ModelLoadError, match="embedded GGUF model only"):
-        load_model("some/model", precision="native")
+    for precision in ("native", "native-exact"):
+        with pytest.raises(ModelLoadError, match="embedded GGUF model only"):
+            load_model("some/model", precision=precision)
     with pytest.raises(ModelLoadError, match="disagree"):
         load_model(precision="bfloat16", dtype="float32")
 
@@ -133,8 +171,15 @@ def test_native_model_runs_the_stored_weights(smol_float32):
         got = layers[name](torch.eye(w32.shape[1])).T
         assert (got - w32).abs().max() <= 2 ** -6 * w32.abs().max(), name
     ids = torch.tensor([smol.tokenizer("Maria Gonzalez is a 34-year-old architect who lives in")["input_ids"]])
+    exact = load_model(precision="native-exact")
+    assert isinstance(native.model.get_output_embeddings(), Q8OutputProjection)
+    assert not isinstance(exact.model.get_output_embeddings(), Q8OutputProjection)
     with torch.no_grad():
-        assert int(native.model(ids).logits[0, -1].argmax()) == int(smol.model(ids).logits[0, -1].argmax())
+        logits, exact_logits = native.model(ids).logits[0], exact.model(ids).logits[0]
+        assert int(logits[-1].argmax()) == int(smol.model(ids).logits[0, -1].argmax())
+    # The two output projections: the same hidden states, logits within the scales' bfloat16 rounding.
+    assert 0 < (logits - exact_logits).abs().max() < 0.5
+    assert torch.equal(logits.argmax(-1), exact_logits.argmax(-1))
 
 
 @pytest.fixture(scope="module")
@@ -185,14 +230,16 @@ def test_native_forward_is_batch_invariant(native_and_tokens):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["native", "native-exact"])
 @torch.no_grad()
-def test_native_logits_are_batch_invariant(native_and_tokens):
-    """The logits too (the output projection in fixed blocks, see ``models.invariant``): a later
-    pass over k new tokens gives each row the bits of its one-token pass."""
+def test_native_logits_are_batch_invariant(native_and_tokens, precision):
+    """The logits too (the Q8_0 pair computes each row alone; the exact float32 path computes
+    fixed blocks, see ``models.invariant``): a later pass over k new tokens gives each row the
+    bits of its one-token pass."""
     from transformers import DynamicCache
 
     native, prompt, out = native_and_tokens
-    model, n = native.model, len(prompt) - 1
+    model, n = load_model(precision=precision).model, len(prompt) - 1
 
     def logits(cache, ids, prompt_rows=0):
         return model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, prompt_rows=prompt_rows,
@@ -257,6 +304,9 @@ def test_bench_runs_precisions_side_by_side(monkeypatch):
     assert rows["llama.cpp grammar, Q4_1 GGUF (reference)"]["field_accuracy"] == "4/4"
     assert seen == [(True, True, seen[0][2])] and seen[0][2] > 20
     assert report["precision"] == "float32, native"
+    # Every row also says whether its output equals the first precision's target-only one.
+    assert all(rows[name]["same_as_first_precision"] in ("0/1", "1/1") for name in list(rows)[:4])
+    assert rows["float32: target-only"]["same_as_first_precision"] == "1/1"
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from .linefit import LineSums
 #: float32: the issue's measurement (31 ms + 1.7 ms per token in the batch).
 BATCH_COST_PRIORS: dict[tuple[str, str], tuple[float, float]] = {
     ("cpu", "native"): (0.040, 0.0022),
+    ("cpu", "native-exact"): (0.040, 0.0022),
     ("cpu", "float32"): (0.031, 0.0017),
 }
 #: Where nothing was measured: an accelerator whose forward barely grows with tokens.

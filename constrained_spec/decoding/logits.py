@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..models.invariant import BucketedLinear
+from ..models.q8_output import Q8OutputProjection
 
 #: States allowing more tokens than this take the full projection: gathering a row of the
 #: matrix costs about what reading it costs, so past a few thousand rows the subset stops paying
@@ -42,7 +43,7 @@ def supports_subsets(target: Any) -> bool:
     config = getattr(target, "config", None)
     out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
     layers = [out, getattr(out, "linear", None)] if isinstance(out, BucketedLinear) else [out]
-    plain = all(isinstance(m, nn.Linear) or type(m) is BucketedLinear for m in layers)
+    plain = all(isinstance(m, nn.Linear) or type(m) in (BucketedLinear, Q8OutputProjection) for m in layers)
     hooked = any(m._forward_hooks or m._forward_pre_hooks for m in layers if isinstance(m, nn.Module))
     return (out is not None and plain and not hooked and hasattr(target, "base_model")
             and getattr(config, "final_logit_softcapping", None) is None

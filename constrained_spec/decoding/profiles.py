@@ -38,7 +38,8 @@ K_MAX_PROFILES: dict[str, dict[str, int]] = {
 #: prompt), 1 / 4 / 12 / 21 new tokens at 84 / 108 / 206 / 266 ms: linear, +0.10 / 0.13 / 0.11
 #: of a pass per token (the int4 kernel and the float64 attention pay per row).
 VERIFY_COST_PRIORS: dict[tuple[str, str], tuple[str, float]] = {("cpu", "float32"): ("concave", 0.25),
-                                                                ("cpu", "native"): ("linear", 0.11)}
+                                                                ("cpu", "native"): ("linear", 0.11),
+                                                                ("cpu", "native-exact"): ("linear", 0.11)}
 DEFAULT_VERIFY_COST = ("concave", 0.25)
 
 

@@ -120,17 +120,19 @@ def _embedded_tokenizer(cached: Path) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(str(cached))
 
 
-def _load_native(name_or_path: str | None, device: str | torch.device | None) -> ModelHandle:
-    """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached)."""
+def _load_native(name_or_path: str | None, device: str | torch.device | None, precision: str = "native") -> ModelHandle:
+    """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached), and
+    its Q8_0 output projection on two int4 calls ("native") or as the exact float32 matrix
+    ("native-exact"; see ``models.q8_output``)."""
     from .invariant import make_batch_invariant
-    from .native import fuse_projections, install_int4, load_int4, q4_1_linears, save_int4
+    from .native import fuse_projections, install_int4, install_q8_output, load_int4, q4_1_linears, save_int4
 
     if name_or_path is not None:
         raise ModelLoadError("Invalid precision: 'native' is available for the embedded GGUF model only "
                              "(name_or_path=None); load other checkpoints with precision='bfloat16' or 'float32'.")
     if device is not None and torch.device(device).type != "cpu":
         raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
-    key = ("None", "native", str(device))
+    key = ("None", precision, str(device))
     if key in _LOADED:
         return _LOADED[key]
     from transformers import LlamaForCausalLM
@@ -147,8 +149,11 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None) ->
         save_int4(linears, tmp)
         os.replace(tmp, packed)
     fuse_projections(install_int4(model, linears))
+    if precision == "native":
+        install_q8_output(model, _default_gguf_dir() / DEFAULT_MODEL_FILE, cached / "q8_output.safetensors")
     make_batch_invariant(model)
-    handle = ModelHandle(model, tokenizer, DEFAULT_MODEL_NAME + " (native Q4_1)", native_precision="native")
+    name = DEFAULT_MODEL_NAME + (" (native Q4_1)" if precision == "native" else " (native Q4_1, exact Q8_0 output)")
+    handle = ModelHandle(model, tokenizer, name, native_precision=precision)
     warm_up(handle)
     _LOADED[key] = handle
     return handle
@@ -170,8 +175,11 @@ def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
 
 
 #: ``precision=`` values: a dtype for every weight, or "native" (the GGUF's 4-bit linear layers
-#: as stored, on the int4 kernel; see ``models.native``).
-PRECISIONS = ("float32", "bfloat16", "native")
+#: as stored, on the int4 kernel, and its Q8_0 output projection on two int4 calls; see
+#: ``models.native``), or "native-exact" (the same with the output projection on the exact
+#: float32 Q8_0 matrix: twice the time of the projection, the GGUF's own logits to float32 rounding).
+PRECISIONS = ("float32", "bfloat16", "native", "native-exact")
+NATIVE_PRECISIONS = ("native", "native-exact")
 #: The embedded model's precision on the CPU when none is asked for. Measured side by side
 #: (``constrained-spec bench --precision float32,native``): native decodes 1.75-1.85x faster
 #: target-only and 1.35-1.55x faster speculative, with the same greedy outputs within each
@@ -208,8 +216,8 @@ def load_model(
             raise ModelLoadError(f"Invalid precision: expected one of {list(PRECISIONS)}, got {precision!r}.")
         if dtype is not None and str(dtype).replace("torch.", "") != precision:
             raise ModelLoadError(f"Invalid precision: precision={precision!r} and dtype={dtype!r} disagree; give one.")
-        if precision == "native":
-            return _load_native(name_or_path, device)
+        if precision in NATIVE_PRECISIONS:
+            return _load_native(name_or_path, device, precision)
         dtype = precision
     if isinstance(dtype, str):
         if not hasattr(torch, dtype):

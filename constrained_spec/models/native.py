@@ -9,6 +9,7 @@ beside the dequantized ones, so the second load is fast.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +112,32 @@ def load_int4(path: Path) -> dict[str, Int4Linear]:
     return {name: Int4Linear(state[f"{name}.packed"], state[f"{name}.scales_and_zeros"],
                              in_features=int(state[f"{name}.shape"][1]), out_features=int(state[f"{name}.shape"][0]))
             for name in names}
+
+
+def install_q8_output(model: Any, gguf_path: Path | str, cache: Path | None = None) -> Any:
+    """Run ``model``'s output projection (the GGUF's Q8_0 ``token_embd``, tied) on two int4 kernel
+    calls (``models.q8_output``), in place; the packed matrices are cached at ``cache`` when given."""
+    from .q8_output import Q8OutputProjection
+
+    weight = model.get_output_embeddings().weight.detach()
+    if cache is not None and cache.is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(cache))
+        module = Q8OutputProjection(state["packed_hi"], state["sz_hi"], state["packed_lo"], state["sz_lo"], weight)
+    else:
+        from gguf import GGMLQuantizationType, GGUFReader
+
+        tensor = next((t for t in GGUFReader(str(gguf_path)).tensors if t.name == "token_embd.weight"), None)
+        if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
+            raise ModelLoadError(f"Native precision needs a Q8_0 token_embd in {gguf_path}; use precision='native-exact'.")
+        module = Q8OutputProjection.from_q8_0(tensor.data, weight)
+        if cache is not None:
+            from safetensors.torch import save_file
+
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            save_file({n: getattr(module, n).contiguous() for n in ("packed_hi", "sz_hi", "packed_lo", "sz_lo")}, str(tmp),
+                      metadata={"format": "constrained_spec.q8_output"})
+            os.replace(tmp, cache)
+    model.set_output_embeddings(module)
+    return model

@@ -350,6 +350,9 @@ def run_bench(
             progress(i + 1, len(items))
     baseline = figures[label(labels[0], configs[0])]
     rows = [f.summary(baseline) for f in figures.values()]
+    if len(labels) > 1:  # greedy agreement across precisions: each row against the first precision's target-only
+        for row, fig in zip(rows, figures.values()):
+            row["same_as_first_precision"] = f"{sum(a == b for a, b in zip(fig.outputs, baseline.outputs))}/{fig.prompts}"
     rows += [row.summary(baseline) for _, row in references.values()]
     # A one-token target step (target-only, after each prompt's pass): what a head token's cost is weighed against.
     steps = [t for st in baseline.traces for t in st.step_seconds[1:]]
