@@ -494,7 +494,7 @@ def bench_cmd(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     profile: Optional[str] = ProfileOpt,
     dtype: Optional[str] = DtypeOpt,
-    precision: Optional[str] = typer.Option(None, "--precision", help="One precision, or several side by side in one run: float32,native (the embedded model)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="One precision, or several side by side in one run: float32,native or native-exact,native (the embedded model)."),
     outlines_reference: bool = typer.Option(True, "--outlines/--no-outlines", help="Include outlines' transformers generator as a reference row."),
     llama_cpp: bool = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="Include llama.cpp's grammar path on the embedded GGUF as a reference row (where llama-cpp-python is installed)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this file."),

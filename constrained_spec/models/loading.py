@@ -198,9 +198,10 @@ def load_model(
 ) -> ModelHandle:
     """Load a causal LM and its tokenizer; ``None`` loads the embedded default (SmolLM2-135M-Instruct).
 
-    ``precision``: "float32", "bfloat16", or "native" (the embedded GGUF's Q4_1 linear layers run
-    as stored on torch's CPU int4 kernel, everything else float32, batch-invariant: see
-    ``models.invariant``). ``dtype`` is the older spelling of the first two. Neither given:
+    ``precision``: "float32", "bfloat16", "native" (the embedded GGUF's Q4_1 linear layers run
+    as stored on torch's CPU int4 kernel, its Q8_0 output projection on two int4 calls, the rest
+    float32, batch-invariant: see ``models.invariant``) or "native-exact" (the same with the
+    exact float32 output projection, ``models.q8_output``). ``dtype`` is the older spelling of the first two. Neither given:
     "native" for the embedded model on the CPU (``DEFAULT_PRECISION``), else
     ``default_dtype(device)``: float32 on the CPU, bfloat16 on GPUs, where the model is made
     batch-invariant (``models.invariant``: with cuBLAS and sdpa as they are, greedy speculative
