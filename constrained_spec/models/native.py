@@ -124,7 +124,7 @@ def install_q8_output(model: Any, gguf_path: Path | str, cache: Path | None = No
         from safetensors.torch import load_file
 
         state = load_file(str(cache))
-        module = Q8OutputProjection(state["packed_hi"], state["sz_hi"], state["packed_lo"], state["sz_lo"], weight)
+        module = Q8OutputProjection(*(state[n] for n in Q8OutputProjection.BUFFERS), weight)
     else:
         from gguf import GGMLQuantizationType, GGUFReader
 
@@ -136,7 +136,7 @@ def install_q8_output(model: Any, gguf_path: Path | str, cache: Path | None = No
             from safetensors.torch import save_file
 
             tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            save_file({n: getattr(module, n).contiguous() for n in ("packed_hi", "sz_hi", "packed_lo", "sz_lo")}, str(tmp),
+            save_file({n: getattr(module, n).contiguous() for n in module.BUFFERS}, str(tmp),
                       metadata={"format": "constrained_spec.q8_output"})
             os.replace(tmp, cache)
     model.set_output_embeddings(module)

@@ -57,11 +57,14 @@ class Q8OutputProjection(nn.Module):
     ``weight``: the exact dequantized float32 matrix (shared with the input embedding; not read
     by ``forward``)."""
 
+    #: The packed matrices, in the order ``__init__`` takes them (and a cache stores them).
+    BUFFERS = ("packed_hi", "sz_hi", "packed_lo", "sz_lo")
+
     def __init__(self, packed_hi: torch.Tensor, sz_hi: torch.Tensor, packed_lo: torch.Tensor, sz_lo: torch.Tensor,
                  weight: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        for name, t in (("packed_hi", packed_hi), ("sz_hi", sz_hi), ("packed_lo", packed_lo), ("sz_lo", sz_lo)):
+        for name, t in zip(self.BUFFERS, (packed_hi, sz_hi, packed_lo, sz_lo)):
             self.register_buffer(name, t, persistent=False)
         self.weight = weight  # a plain attribute: the embedding owns the parameter
         self.bias = None
