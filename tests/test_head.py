@@ -336,6 +336,30 @@ def test_int8_weights_run_on_the_int8_kernel_close_to_their_dequantized_law_and_
         assert res.stats.drafted > 0
 
 
+def test_int8_linear_copies_weights_off_a_64_byte_boundary_before_the_kernel_reads_them():
+    """Weights read from a safetensors file sit at the file's offsets; torch's int8 kernel read
+    such a weight with aligned AVX-512 loads and crashed the process for 4+ rows (the shipped
+    head's ``fc``, at offset 52 mod 64, on an AVX-512 EPYC). The layer holds an aligned copy, and
+    its rows equal those of the same weights allocated aligned."""
+    from constrained_spec.drafters.int8_linear import KERNEL_ALIGNMENT, Int8Linear, int8_kernel_available
+
+    if not int8_kernel_available():
+        pytest.skip("this torch has no int8 weight-only CPU kernel")
+    torch.manual_seed(0)
+    w = torch.randint(-127, 128, (64, 1728), dtype=torch.int8)
+    off = torch.empty(w.numel() + KERNEL_ALIGNMENT, dtype=torch.int8)
+    start = (-off.data_ptr() + 52) % KERNEL_ALIGNMENT
+    misaligned = off[start : start + w.numel()].view(64, 1728)
+    misaligned.copy_(w)
+    assert misaligned.data_ptr() % KERNEL_ALIGNMENT == 52
+    scale = torch.rand(64) / 100
+    layer, reference = Int8Linear(misaligned, scale), Int8Linear(w, scale)
+    assert layer.weight.data_ptr() % KERNEL_ALIGNMENT == 0 and torch.equal(layer.weight, w)
+    x = torch.randn(16, 1728)
+    with torch.no_grad():
+        assert torch.equal(layer(x), reference(x))
+
+
 def test_draft_false_a_directory_and_a_head_for_another_tokenizer(setup, tmp_path):
     from constrained_spec.api import DraftSource, resolve_draft
     from constrained_spec.decoding import SpecOptions
