@@ -230,6 +230,46 @@ def test_native_forward_is_batch_invariant(native_and_tokens):
 
 
 @pytest.mark.slow
+@torch.no_grad()
+def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_tokens):
+    """The flat decode and verify forward (``models.native_decode``) gives transformers' forward's
+    bits: the final hidden states, every layer's hidden states and the cache it fills, for 1 to 21
+    new rows after a prompt; forwards it does not cover (prompt rows) take transformers' path."""
+    from constrained_spec.decoding.growing_cache import growing_cache
+
+    native, prompt, out = native_and_tokens
+    model, out = native.model, out * 2  # 35 tokens are fed in all
+    flat = model.model.native_decode
+    assert flat.enabled and len(out) >= 35
+    results = {}
+    for enabled in (True, False):
+        flat.enabled = enabled
+        calls = []
+        run = flat.run
+        flat.run = lambda *a, **k: calls.append(a[0].shape[1]) or run(*a, **k)
+        try:
+            cache = growing_cache(model.config.num_hidden_layers, torch.float64)
+            model.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, prompt_rows=len(prompt))
+            got, at = [], 0
+            for k in (1, 4, 1, 12, 21):
+                o = model.model(input_ids=torch.tensor([out[at : at + k]]), cache=cache, use_cache=True, prompt_rows=0,
+                                output_hidden_states=True)
+                got.append((o.last_hidden_state, o.hidden_states))
+                cache.crop(-1)  # a rejected last token
+                at += k - 1
+            results[enabled] = (got, [layer.keys.clone() for layer in cache.layers], calls)
+        finally:
+            flat.run = run
+            flat.enabled = True
+    (flat_out, flat_keys, flat_calls), (stock_out, stock_keys, stock_calls) = results[True], results[False]
+    assert flat_calls == [1, 4, 1, 12, 21] and stock_calls == []  # the prompt pass went to transformers
+    for (a, ha), (b, hb) in zip(flat_out, stock_out):
+        assert torch.equal(a, b) and len(ha) == len(hb) == model.config.num_hidden_layers + 1
+        assert all(torch.equal(x, y) for x, y in zip(ha, hb))
+    assert all(torch.equal(x, y) for x, y in zip(flat_keys, stock_keys))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["native", "native-exact"])
 @torch.no_grad()
 def test_native_logits_are_batch_invariant(native_and_tokens, precision):

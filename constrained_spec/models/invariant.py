@@ -201,20 +201,18 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
                                         **kwargs)
         parts.append(out)
     if prompt_rows < q_len:
-        b, heads, _, dim = query.shape
-        kv_heads = key.shape[1]
         rows = q_len - prompt_rows
-        # Query heads grouped by the key head they share (GQA), so keys and values are converted
-        # once per key head rather than repeated per query head.
-        q = query[:, :, prompt_rows:].double().reshape(b, kv_heads, heads // kv_heads * rows, dim)
-        scores = ((q @ key.double().transpose(-1, -2)) * scale).reshape(b, kv_heads, heads // kv_heads, rows, kv_len)
         # One new row at the end with no padding sees every key: nothing to mask, and masking
-        # nothing changes no bit (five ops per layer less on every decode step).
+        # nothing changes no bit. Otherwise each row's causal keys and the mask's padding.
+        mask = None
         if not (rows == 1 and attention_mask is None and past + prompt_rows == kv_len - 1):
-            scores = scores.masked_fill(~_allowed(attention_mask, kv_len, past + prompt_rows, prompt_rows, query.device),
-                                        float("-inf"))
-        probs = torch.softmax(scores, dim=-1).reshape(b, kv_heads, heads // kv_heads * rows, kv_len)
-        out = (probs @ value.double()).reshape(b, heads, rows, dim).to(query.dtype)
+            mask = _allowed(attention_mask, kv_len, past + prompt_rows, prompt_rows, query.device)
+        # torch's fused attention in float64 (GQA without repeating the keys): any float64
+        # summation order rounds to the same float32 (module docstring), and one call does what
+        # eleven small ops did (71 against 158 us a layer for one row over 300 keys here).
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, prompt_rows:].double(), key.double(), value.double(), attn_mask=mask, scale=scale,
+            enable_gqa=key.shape[1] != query.shape[1]).to(query.dtype)
         parts.append(out.transpose(1, 2))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
 
@@ -222,7 +220,7 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
 def _allowed(attention_mask: torch.Tensor | None, kv_len: int, first: int, prompt_rows: int,
              device: torch.device) -> torch.Tensor:
     """Which keys each new row (positions ``first..kv_len - 1``) may see: causal, and the
-    attention mask's padding; shaped to broadcast over ``[b, kv_heads, group, rows, kv]``."""
+    attention mask's padding; ``[rows, kv]`` or ``[b, 1, rows, kv]``, to broadcast over the heads."""
     key_index = torch.arange(kv_len, device=device)[None, :]
     positions = key_index[0, first:, None]  # each new row's own position
     allowed = key_index <= positions  # causal, [rows, kv]
@@ -233,8 +231,6 @@ def _allowed(attention_mask: torch.Tensor | None, kv_len: int, first: int, promp
         # cache (its output is never read).
         own = key_index == positions
         allowed = allowed | (~allowed.any(dim=-1, keepdim=True) & own)
-    if allowed.dim() == 4:
-        allowed = allowed.unsqueeze(2)  # [b, 1, 1, rows, kv]: the same for every head of a group
     return allowed
 
 

@@ -126,6 +126,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     ("native-exact"; see ``models.q8_output``)."""
     from .invariant import make_batch_invariant
     from .native import fuse_projections, install_int4, install_q8_output, load_int4, q4_1_linears, save_int4
+    from .native_decode import install_native_decode
 
     if name_or_path is not None:
         raise ModelLoadError("Invalid precision: 'native' is available for the embedded GGUF model only "
@@ -152,6 +153,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     if precision == "native":
         install_q8_output(model, _default_gguf_dir() / DEFAULT_MODEL_FILE, cached / "q8_output.safetensors")
     make_batch_invariant(model)
+    install_native_decode(model)
     name = DEFAULT_MODEL_NAME + (" (native Q4_1)" if precision == "native" else " (native Q4_1, exact Q8_0 output)")
     handle = ModelHandle(model, tokenizer, name, native_precision=precision)
     warm_up(handle)

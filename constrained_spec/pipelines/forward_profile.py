@@ -11,7 +11,9 @@ figure to trust), then once more with forward hooks that time each part of the m
 - other: the rest (embedding, rotary, residual adds, the MLP's activation, Python and
   dispatch).
 Hooks cost a few microseconds each, so each part's share is taken from the hooked run and
-applied to the plain time.
+applied to the plain time. The native model's decode and verify passes take a flat path that no
+module hook sees (``models.native_decode``): its plain time is measured as decoding pays it, and
+the hooked run goes through transformers' forward, whose shares are then those of the same ops.
 
 Beside them: the part of the time spent in dtype conversions and copies (torch's profiler,
 ``aten::_to_copy`` and ``aten::copy_``; they happen inside the parts above), and the bytes a
@@ -126,7 +128,8 @@ def _weight_bytes(model: nn.Module) -> int:
 def _kv_bytes(model: nn.Module, positions: int) -> int:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dtype = next(model.parameters()).dtype
+    # A batch-invariant model's cache holds float64 copies (decoding.growing_cache).
+    dtype = torch.float64 if getattr(model, "batch_invariant", False) else next(model.parameters()).dtype
     return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * positions * torch.finfo(dtype).bits // 8
 
 
@@ -135,14 +138,14 @@ def profile_forward(handle: Any, precision: str, ks: Sequence[int] = DEFAULT_KS,
                     reps: int = 8, seed: int = 0) -> list[ForwardProfile]:
     """Profile verify passes of each k in ``ks`` after a ``context``-token prompt (random tokens:
     the cost does not depend on which) on ``handle``'s model; see the module docstring."""
-    from transformers import DynamicCache
+    from ..decoding.growing_cache import growing_cache
 
     model = handle.model
     invariant = bool(getattr(model, "batch_invariant", False))
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prompt = torch.randint(100, vocab, (1, context), generator=g, device=handle.device)
-    cache = DynamicCache(config=model.config)
+    cache = growing_cache(model.config.num_hidden_layers, torch.float64 if invariant else None)  # the decoder's
     extra = {"prompt_rows": context} if invariant else {}
     model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1, **extra)
     weights = _weight_bytes(model)
@@ -161,6 +164,9 @@ def profile_forward(handle: Any, precision: str, ks: Sequence[int] = DEFAULT_KS,
             verify(x)
             plain.append((time.perf_counter() - t0) * 1000)
         timer = _PartTimer(model)
+        flat = getattr(getattr(model, "model", None), "native_decode", None)
+        if flat is not None:  # hooks see modules: the hooked run takes transformers' forward
+            flat.enabled = False
         try:
             t0 = time.perf_counter()
             for _ in range(reps):
@@ -168,6 +174,8 @@ def profile_forward(handle: Any, precision: str, ks: Sequence[int] = DEFAULT_KS,
             hooked = (time.perf_counter() - t0) * 1000
         finally:
             timer.remove()
+            if flat is not None:
+                flat.enabled = True
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(2):
                 verify(x)

@@ -1,0 +1,149 @@
+"""The native model's decode and verify forwards as one flat loop of tensor ops.
+
+A one-token forward of the embedded model at native precision spends about a third of its time
+outside any kernel: transformers' decorated forwards, thirteen module calls a layer with their
+hooks and keyword handling, the row split that routes prompt rows, and dtype conversions that
+the next op could do for free (measured here: 27.6 ms a forward, 7.2 ms in the int4 kernels
+and 4.6 ms in attention). torch.compile, which would remove that, was slower than eager on
+this CPU (``models.q8_output``'s notes); no library runs a transformers model without it, so
+this module hand-writes the llama decoder stack for the forwards that dominate decoding: the
+request's own decode and verify passes (one row of the batch, no prompt rows, no padding).
+Everything else (prompt passes, packed batch steps, training, hooks, other caches' kwargs)
+goes through transformers' forward as before.
+
+Bit for bit the same as that forward (tested): the same ops in the same order on the same
+dtypes, with two kinds of op left out because they change no bit: a bfloat16 kernel output
+converted to float32 before an op that promotes it to float32 anyway (a residual add, the
+rotary products: bfloat16 -> float32 is exact, and the promoted op computes in float32), and
+the row split's bookkeeping for forwards that have no prompt rows. The norms, the float64
+attention and the int4 kernels are the batch-invariant ones of ``models.invariant`` and
+``models.int4``, so invariance holds as before.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from .int4 import GROUP, Int4Linear, Int4Part
+from .invariant import _allowed
+
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
+def _kernel(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer``'s int4 kernel on ``x`` ``[n, K]``, bfloat16 out (``Int4Linear._kernel`` without
+    the conversion back)."""
+    return _int4_mm(x.to(torch.bfloat16).contiguous(), layer.packed, GROUP, layer.scales_and_zeros)
+
+
+def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """``models.invariant.invariant_rms_norm`` on float32 rows with no prompt rows among them."""
+    variance = (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32)
+    return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb`` for one tensor (``x`` may be bfloat16: the products
+    promote it to float32 exactly)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class NativeDecode:
+    """The flat forward of one llama-family model whose linear layers are fused int4 layers
+    (``models.native``): ``run`` returns the final hidden states (and, when asked, every layer's)."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+        #: Off: every forward takes transformers' path (a profile that hooks the modules).
+        self.enabled = True
+        self.layers = []
+        for block in base.layers:
+            attn, mlp = block.self_attn, block.mlp
+            qkv, gate_up = attn.q_proj.fused, mlp.gate_proj.fused
+            self.layers.append((block.input_layernorm, qkv.layer, qkv.sizes, attn.o_proj, attn.head_dim, attn.scaling,
+                                block.post_attention_layernorm, gate_up.layer, gate_up.sizes, mlp.down_proj))
+
+    @staticmethod
+    def supports(base: Any) -> bool:
+        """Whether every block of ``base`` has fused int4 q/k/v and gate/up, int4 o/down
+        projections and SiLU (what ``run`` computes)."""
+        try:
+            return all(isinstance(b.self_attn.q_proj, Int4Part) and b.self_attn.q_proj.index == 0
+                       and isinstance(b.self_attn.v_proj, Int4Part) and b.self_attn.v_proj.fused is b.self_attn.q_proj.fused
+                       and isinstance(b.mlp.up_proj, Int4Part) and b.mlp.up_proj.fused is b.mlp.gate_proj.fused
+                       and isinstance(b.self_attn.o_proj, Int4Linear) and isinstance(b.mlp.down_proj, Int4Linear)
+                       and type(b.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+                       for b in base.layers)
+        except AttributeError:
+            return False
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, cache: Any, hidden: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Feed ``input_ids`` ``[1, n]`` after the ``cache``'s positions; returns the final hidden
+        states ``[1, n, d]`` and, with ``hidden``, the hidden states transformers'
+        ``output_hidden_states`` gives (the embeddings, each block's output, the last normed)."""
+        base = self.base
+        x = base.embed_tokens(input_ids)
+        n = x.shape[1]
+        past = cache.get_seq_length()
+        positions = (torch.arange(n, device=x.device) + past)[None]
+        cos, sin = base.rotary_emb(x, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # What the causal mask and ``invariant_attention`` make of it: none for one row.
+        mask = None if n == 1 else _allowed(None, past + n, past, 0, x.device)[None, None]
+        states = [x] if hidden else None
+        x = x[0]
+        for i, (norm1, qkv, qkv_sizes, o_proj, head_dim, scale, norm2, gate_up, gu_sizes, down) in enumerate(self.layers):
+            q, k, v = _kernel(qkv, _norm(norm1, x)).split(qkv_sizes, dim=-1)
+            q = _rotate(q.view(1, n, -1, head_dim).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(1, n, -1, head_dim).transpose(1, 2), cos, sin)
+            keys, values = cache.update(k, v.view(1, n, -1, head_dim).transpose(1, 2).float(), i)
+            a = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask, scale=scale,
+                                               enable_gqa=keys.shape[1] != q.shape[1]).to(torch.float32)
+            x = x + _kernel(o_proj, a.transpose(1, 2).reshape(n, -1))
+            gate, up = _kernel(gate_up, _norm(norm2, x)).to(torch.float32).split(gu_sizes, dim=-1)
+            x = x + _kernel(down, F.silu(gate) * up)
+            if hidden:
+                states.append(x[None])
+        out = _norm(base.norm, x)[None]
+        if hidden:
+            states[-1] = out
+        return out, tuple(states) if hidden else None
+
+
+#: Keyword arguments a forward may carry and still take the flat path (with these values).
+_PLAIN = {"attention_mask": None, "position_ids": None, "inputs_embeds": None, "prompt_rows": (None, 0, []),
+          "return_dict": (None, True)}
+
+
+def install_native_decode(model: Any) -> bool:
+    """Give ``model``'s decoder stack the flat path for plain decode and verify forwards (in
+    place); returns whether it could (a model that is not fused int4 keeps its forward)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    base = model.model
+    if not NativeDecode.supports(base):
+        return False
+    flat = NativeDecode(base)
+    stock = base.forward
+
+    def forward(input_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = None,
+                output_hidden_states: bool | None = None, **kwargs: Any) -> Any:
+        plain = (flat.enabled and input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] > 0
+                 and cache is not None and use_cache and not torch.is_grad_enabled()
+                 and all(k in _PLAIN and (v in _PLAIN[k] if isinstance(_PLAIN[k], tuple) else v is _PLAIN[k])
+                         for k, v in kwargs.items()))
+        if not plain:
+            return stock(input_ids=input_ids, cache=cache, use_cache=use_cache, output_hidden_states=output_hidden_states,
+                         **kwargs)
+        last, states = flat.run(input_ids, cache, bool(output_hidden_states))
+        return BaseModelOutputWithPast(last_hidden_state=last, cache=cache, hidden_states=states)
+
+    base.forward = forward
+    base.native_decode = flat
+    return True
