@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -506,6 +507,7 @@ def bench_cmd(
     workload: str = typer.Option("extraction", "--workload", help="extraction (the shipped prompts or --prompts) or generation (example objects for held-out Glaiveai2K schemas, never trained on)."),
     profile_forward: bool = typer.Option(False, "--profile-forward", help="Instead: where a target forward's time goes (output projection, linears, attention, norms, other) for verify passes of --forward-ks new tokens, at each --precision (default native,float32)."),
     forward_ks: str = typer.Option("1,4,12,21", "--forward-ks", help="With --profile-forward: the new tokens per pass."),
+    neighbour: bool = typer.Option(False, "--neighbour", help="Instead: each request's time alone, beside one busy core and beside another torch process, with the thread governor and with fixed threads (first --limit prompts, default 3)."),
 ) -> None:
     """Target-only vs every drafter and K policy on the extraction prompts, side by side in one run.
 
@@ -518,6 +520,9 @@ def bench_cmd(
 
     if profile_forward:
         _run_guarded(lambda: _forward_profile(model, dtype, precision, forward_ks, json_out))
+        return
+    if neighbour:
+        _run_guarded(lambda: _neighbour_bench(limit or 3, max_new_tokens, llama_cpp, json_out))
         return
     if batch is not None:
         _run_guarded(lambda: _batch_sweep(batch, model, dtype, precision, documents, limit, json_out, plot))
@@ -778,6 +783,24 @@ def _counts(text: str, option: str) -> list[int]:
     if not values or min(values) < 1:
         raise InvalidOptionError(f"Invalid {option}: expected comma-separated integers >= 1, got {text!r}.")
     return values
+
+
+def _neighbour_bench(limit: int, max_new_tokens: int, llama_cpp: bool, json_out: Optional[Path]) -> None:
+    from .pipelines.neighbour_bench import NEIGHBOURS, run_neighbour_bench
+
+    rows = run_neighbour_bench(limit, max_new_tokens, llama_cpp, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    table = Table(title=f"A request beside other processes ({limit} extraction prompts, {os.cpu_count()} cores; "
+                        "seconds, and x its time alone)")
+    table.add_column("config", no_wrap=True)
+    for name in NEIGHBOURS:
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in rows:
+        ratios = r.ratios()
+        table.add_row(r.config, *(f"{r.seconds[n]:.2f} s ({ratios[n]:.2f}x)" for n in NEIGHBOURS))
+    Console(width=max(120, Console().width)).print(table)
+    if json_out:
+        json_out.write_text(json.dumps([r.as_dict() for r in rows], indent=2))
+        err.print(f"figures written to {json_out}")
 
 
 def _forward_profile(model: Optional[str], dtype: Optional[str], precision: Optional[str], ks_text: str,

@@ -15,6 +15,7 @@ import torch
 from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
 from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
+from ..models.threads import thread_governor
 from .growing_cache import growing_cache
 from .kpolicy import FixedK, KPolicy
 from .logits import allowed_subset, forward_logits, supports_subsets
@@ -367,6 +368,8 @@ class SpeculativeDecoder:
 
     def step(self) -> list[int]:
         """One speculative step; returns the tokens it emitted (EOS excluded) and updates all state."""
+        if self.device.type == "cpu" and not self.in_batch:
+            thread_governor().update()  # the cores other processes leave free (models.threads)
         plan = self.plan()
         # 4. Verify: one target forward over [last, x_1..x_k] (after the prompt, in the first
         # step) -> logits for k + 1 positions, masked.

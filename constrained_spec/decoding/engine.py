@@ -30,6 +30,7 @@ import torch
 from ..constraint import Matcher
 from ..drafters import Drafter
 from ..errors import InvalidOptionError
+from ..models.threads import thread_governor
 from .budget import BatchCost, batch_cost_prior, choose_drafts
 from .decoder import SpeculativeDecoder, StepPlan, tap_features
 from .kpolicy import KPolicy
@@ -141,6 +142,8 @@ class BatchEngine:
         batched step over the active rows, retire finished rows. Returns the requests that
         finished."""
         finished: list[Request] = []
+        if self.device.type == "cpu":
+            thread_governor().update()  # the cores other processes leave free (models.threads)
         self._retire(finished)
         while self.waiting and len(self.active) < self.max_batch:
             self._admit(self.waiting.pop(0), finished)

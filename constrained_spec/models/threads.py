@@ -1,0 +1,154 @@
+"""Threads that share the machine: how many threads torch's ops use, chosen from what the other
+processes on our cores are doing.
+
+Each op of a forward is a parallel region over torch's threads, and a region ends when its
+slowest thread does. With another process busy on one of two cores, one of our two threads gets
+that core in scheduler slices, every region waits for it, and the waiting thread spins: measured
+here (2 cores, embedded model, two extraction prompts), a request took 3.4x as long as alone
+beside one busy core and 3.35x beside a second torch process, where one thread took 1.16x and
+1.7x. Alone, one thread costs only 1.06x (target-only; 1.33x speculative): a forward of this
+model is bound by memory traffic and small ops more than by arithmetic.
+
+So ``ThreadGovernor`` samples, every ``interval`` seconds, the busy time of the cores this process
+may run on (``/proc/stat``) less this process's own CPU time, and gives torch the cores the others
+leave free (at least one, at most the thread count torch started with). Forwards give the same
+bits at any thread count (the int4 kernel computes each output alone, attention parallelizes
+over heads, the float64 reductions round to float32; tested), so changing it mid-request changes
+speed only.
+
+``CONSTRAINED_SPEC_THREADS``: "auto" (the default) as above; a number fixes the thread count
+(an operator who pins processes to cores); "off" leaves torch's setting alone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from ..errors import InvalidOptionError
+
+THREADS_ENV = "CONSTRAINED_SPEC_THREADS"
+#: Seconds between two samples of the machine's load (a sample reads /proc/stat: ~30 us).
+INTERVAL = 0.25
+#: Free cores are rounded up from this fraction: 1.4 free cores (a neighbour busy 60% of the
+#: time) still gives 1 thread, 1.7 gives 2.
+ROUND_UP_FROM = 0.65
+
+
+def _cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def busy_seconds(cpus: set[int], path: str = "/proc/stat") -> float | None:
+    """CPU seconds the machine's ``cpus`` have spent busy (user, nice, system, irq, softirq)
+    since boot, from ``/proc/stat``; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[:7])
+            total += user + nice + system + irq + softirq
+    return total / tick
+
+
+def own_seconds() -> float:
+    """CPU seconds this process has used (all its threads)."""
+    t = os.times()
+    return t.user + t.system
+
+
+class ThreadGovernor:
+    """Sets torch's thread count to the cores other processes leave free (module docstring).
+
+    ``busy`` and ``own``: the two clocks (injectable for tests); ``set_threads``: what applies a
+    count (``torch.set_num_threads``); ``cpus``: the cores this process may use (its affinity)."""
+
+    def __init__(self, max_threads: int | None = None, *, interval: float = INTERVAL,
+                 busy: Callable[[], float | None] | None = None, own: Callable[[], float] = own_seconds,
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 clock: Callable[[], float] = time.monotonic, cpus: set[int] | None = None) -> None:
+        cpus = cpus if cpus is not None else _cpus()
+        self.cores = len(cpus)
+        self.max_threads = max(1, max_threads or torch.get_num_threads())
+        self.threads = self.max_threads
+        self.interval = interval
+        self._busy = busy or (lambda: busy_seconds(cpus))
+        self._own, self._set, self._clock = own, set_threads, clock
+        self._last: tuple[float, float, float] | None = None
+        self._lock = threading.Lock()
+        #: Other processes' busy cores over the last interval (None before two samples).
+        self.others: float | None = None
+
+    def reset(self) -> None:
+        """Forget the last sample and go back to ``max_threads``."""
+        with self._lock:
+            self._last, self.others = None, None
+            if self.threads != self.max_threads:
+                self._set(self.max_threads)
+                self.threads = self.max_threads
+
+    def update(self) -> int:
+        """Sample the load when ``interval`` has passed and adjust the thread count; returns it."""
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self.interval:
+            return self.threads
+        with self._lock:
+            busy = self._busy()
+            if busy is None:  # nothing to read: keep the count
+                return self.threads
+            own = self._own()
+            if self._last is not None and now > self._last[0]:
+                t0, busy0, own0 = self._last
+                self.others = max(0.0, ((busy - busy0) - (own - own0)) / (now - t0))
+                free = self.cores - self.others
+                want = max(1, min(self.max_threads, int(free + 1 - ROUND_UP_FROM)))
+                if want != self.threads:
+                    self._set(want)
+                    self.threads = want
+            self._last = (now, busy, own)
+        return self.threads
+
+
+class _Fixed:
+    """A fixed thread count (``CONSTRAINED_SPEC_THREADS=N``), or none at all ("off")."""
+
+    def __init__(self, threads: int | None) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.threads = threads or torch.get_num_threads()
+
+    def update(self) -> int:
+        return self.threads
+
+
+_GOVERNOR: ThreadGovernor | _Fixed | None = None
+
+
+def thread_governor() -> ThreadGovernor | _Fixed:
+    """The process's governor, made on first use from ``CONSTRAINED_SPEC_THREADS``."""
+    global _GOVERNOR
+    if _GOVERNOR is None:
+        value = os.environ.get(THREADS_ENV, "auto").strip().lower()
+        if value in ("", "auto"):
+            _GOVERNOR = ThreadGovernor()
+        elif value == "off":
+            _GOVERNOR = _Fixed(None)
+        elif value.isdigit() and int(value) > 0:
+            _GOVERNOR = _Fixed(int(value))
+        else:
+            raise InvalidOptionError(f"Invalid {THREADS_ENV}: expected 'auto', 'off' or a positive thread count, "
+                                     f"got {value!r}.")
+    return _GOVERNOR

@@ -1,0 +1,108 @@
+"""A request's time beside other processes: the figures behind ``constrained-spec bench --neighbour``.
+
+The same extraction prompts run alone, beside one busy core (a Python loop: a web worker, a
+compiler) and beside a second torch process (matmuls on torch's default threads: an OpenMP
+neighbour whose threads spin), for target-only and auto decoding with the thread governor
+(``models.threads``, the default) and with torch's thread count left at its start ("fixed
+threads"), and llama.cpp's grammar path as the outside reference (its threads = the cores, as
+the bench runs it). Each figure is the time of the whole set of prompts and its ratio to the
+same row alone; the neighbour starts a second before its runs and is killed after them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+#: Neighbour processes by name (None: alone).
+NEIGHBOURS: dict[str, list[str] | None] = {
+    "alone": None,
+    "one busy core": [sys.executable, "-c", "while True: pass"],
+    "a torch process": [sys.executable, "-c", "import torch\nx = torch.randn(512, 512)\nwhile True: x @ x"],
+}
+
+
+@dataclass
+class NeighbourRow:
+    """One configuration's seconds for the prompts by neighbour."""
+
+    config: str
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def ratios(self) -> dict[str, float]:
+        """Each neighbour's time over the time alone."""
+        alone = self.seconds.get("alone")
+        return {k: v / alone for k, v in self.seconds.items()} if alone else {}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as plain values (for ``--json``)."""
+        return {"config": self.config, "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                "slowdown": {k: round(v, 2) for k, v in self.ratios().items()}}
+
+
+def run_neighbour_bench(limit: int = 3, max_new_tokens: int = 256, llama_cpp: bool = True,
+                        progress: Callable[[str], None] = lambda _m: None) -> list[NeighbourRow]:
+    """Time the first ``limit`` bench prompts in each configuration beside each neighbour."""
+    from ..api import generate_json
+    from ..models import threads
+    from ..models.loading import load_model
+    from .bench import DEFAULT_PROMPTS, llama_cpp_row, load_prompts
+
+    handle = load_model()
+    items = load_prompts(DEFAULT_PROMPTS, limit)
+    start_threads = torch.get_num_threads()
+    governor = threads.ThreadGovernor(start_threads)
+    fixed = threads._Fixed(start_threads)
+    llama = llama_cpp_row(max_new_tokens) if llama_cpp else None
+    llama_calls = []
+    if llama is not None:
+        from ..api import load_schema
+
+        for item in items:
+            text = handle.tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
+                                                        add_generation_prompt=True, tokenize=False)
+            ids = handle.tokenizer(text, add_special_tokens=False)["input_ids"]
+            llama_calls.append(llama(load_schema(item["schema"]), text, ids))
+
+    def ours(drafter: str, policy: Any) -> Callable[[], None]:
+        def run() -> None:
+            threads._GOVERNOR = policy
+            for item in items:
+                generate_json(handle, item["schema"], item["prompt"], drafter=drafter, max_new_tokens=max_new_tokens)
+        return run
+
+    configs: dict[str, Callable[[], None]] = {
+        "target-only, thread governor": ours("none", governor), "target-only, fixed threads": ours("none", fixed),
+        "auto, thread governor": ours("auto", governor), "auto, fixed threads": ours("auto", fixed),
+    }
+    if llama_calls:
+        configs["llama.cpp grammar (reference)"] = lambda: [call() for call in llama_calls] and None
+    rows = {name: NeighbourRow(name) for name in configs}
+    saved = threads._GOVERNOR
+    try:
+        ours("none", fixed)()  # warm: first-call allocations, compiled constraints
+        for neighbour, command in NEIGHBOURS.items():
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if command else None
+            try:
+                if proc is not None:
+                    time.sleep(1.0)  # let it get going (a torch import takes about that)
+                for name, run in configs.items():
+                    torch.set_num_threads(start_threads)
+                    governor.reset()
+                    t0 = time.perf_counter()
+                    run()
+                    rows[name].seconds[neighbour] = time.perf_counter() - t0
+                    progress(f"{neighbour}: {name} {rows[name].seconds[neighbour]:.2f} s")
+            finally:
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        threads._GOVERNOR = saved
+        torch.set_num_threads(start_threads)
+    return list(rows.values())

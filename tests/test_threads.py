@@ -1,0 +1,129 @@
+"""The thread governor: torch's thread count follows the cores other processes leave free, and
+forwards keep their bits at any thread count (so the governor changes speed only)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from constrained_spec.errors import InvalidOptionError
+from constrained_spec.models import threads
+from constrained_spec.models.threads import ThreadGovernor, busy_seconds
+
+
+class Clocks:
+    """A machine whose other processes keep ``others`` cores busy and we keep ``ours`` busy."""
+
+    def __init__(self) -> None:
+        self.t = self.busy = self.own = 0.0
+        self.others, self.ours = 0.0, 2.0
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+        self.busy += (self.others + self.ours) * seconds
+        self.own += self.ours * seconds
+
+
+def test_the_governor_gives_torch_the_cores_the_others_leave_free():
+    c, applied = Clocks(), []
+    g = ThreadGovernor(2, interval=0.25, busy=lambda: c.busy, own=lambda: c.own, set_threads=applied.append,
+                       clock=lambda: c.t, cpus={0, 1})
+    assert g.update() == 2 and applied == []  # first sample: nothing to compare yet
+    c.advance(0.3)
+    assert g.update() == 2 and g.others == pytest.approx(0.0)
+    c.others, c.ours = 1.0, 1.0  # a neighbour takes a core
+    c.advance(0.1)
+    assert g.update() == 2  # within the interval: no sample
+    c.advance(0.2)
+    assert g.update() == 1 and applied == [1] and g.others == pytest.approx(1.0)
+    c.others = 0.5  # busy half the time: 1.5 free cores still give one thread
+    c.advance(0.3)
+    assert g.update() == 1
+    c.others = 0.2
+    c.advance(0.3)
+    assert g.update() == 2 and applied == [1, 2]
+    c.others = 5.0  # more load than cores: never below one thread
+    c.advance(0.3)
+    assert g.update() == 1
+
+
+def test_busy_seconds_reads_only_this_process_cores(tmp_path):
+    stat = tmp_path / "stat"
+    tick = os.sysconf("SC_CLK_TCK")
+    stat.write_text("cpu  900 0 900 100 0 0 0 0 0 0\n"
+                    "cpu0 100 10 50 900 5 3 2 0 0 0\n"
+                    "cpu1 200 0 100 800 0 0 0 7 0 0\n"
+                    "cpu2 4000 0 0 0 0 0 0 0 0 0\n"
+                    "intr 12345\n")
+    assert busy_seconds({0, 1}, str(stat)) == pytest.approx((100 + 10 + 50 + 3 + 2 + 200 + 100) / tick)
+    assert busy_seconds({2}, str(stat)) == pytest.approx(4000 / tick)
+    assert busy_seconds({0}, str(tmp_path / "missing")) is None
+
+
+def test_the_thread_setting_is_read_from_the_environment(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        for value, kind in (("auto", ThreadGovernor), ("", ThreadGovernor), ("off", threads._Fixed)):
+            monkeypatch.setattr(threads, "_GOVERNOR", None)
+            monkeypatch.setenv(threads.THREADS_ENV, value)
+            assert isinstance(threads.thread_governor(), kind)
+        monkeypatch.setattr(threads, "_GOVERNOR", None)
+        monkeypatch.setenv(threads.THREADS_ENV, "1")
+        assert threads.thread_governor().update() == 1 and torch.get_num_threads() == 1
+        for bad in ("0", "two", "-1"):
+            monkeypatch.setattr(threads, "_GOVERNOR", None)
+            monkeypatch.setenv(threads.THREADS_ENV, bad)
+            with pytest.raises(InvalidOptionError, match="CONSTRAINED_SPEC_THREADS"):
+                threads.thread_governor()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2 or busy_seconds({0}) is None,
+                    reason="measured on a 2-core Linux machine")
+def test_a_busy_neighbour_on_one_of_two_cores_leaves_one_thread():
+    applied: list[int] = []
+    g = ThreadGovernor(2, interval=0.2, set_threads=applied.append)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and g.threads != 1:
+            g.update()
+            time.sleep(0.05)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert g.threads == 1 and applied[-1] == 1 and g.others is not None and g.others > 0.6
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_native_forwards_give_the_same_bits_at_any_thread_count():
+    """What lets the governor change the count mid-request: the prompt pass (dense prompt rows
+    among them), decode and verify passes give the same logits at one thread as at two."""
+    from constrained_spec.decoding.growing_cache import growing_cache
+    from constrained_spec.models.loading import load_model
+
+    model = load_model(precision="native").model
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 49152, (1, 120), generator=g)
+    steps = [torch.randint(100, 49152, (1, k), generator=g) for k in (1, 4, 13)]
+    before = torch.get_num_threads()
+
+    def run(n: int) -> list[torch.Tensor]:
+        torch.set_num_threads(n)
+        cache = growing_cache(model.config.num_hidden_layers, torch.float64)
+        out = [model(input_ids=prompt, cache=cache, use_cache=True, prompt_rows=119).logits]
+        return out + [model(input_ids=s, cache=cache, use_cache=True, prompt_rows=0).logits for s in steps]
+
+    try:
+        many, one = run(max(2, before)), run(1)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(many, one))
