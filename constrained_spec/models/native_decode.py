@@ -18,11 +18,14 @@ rotary products: bfloat16 -> float32 is exact, and the promoted op computes in f
 the row split's bookkeeping for forwards that have no prompt rows. The norms, the float64
 attention and the int4 kernels are the batch-invariant ones of ``models.invariant`` and
 ``models.int4``, so invariance holds as before.
+
+Measured (one run each, this 2-core machine, ``constrained-spec bench --fixed-k ""``): with the
+fused float64 attention, the one-token target step went from 30.0 to 21.3 ms and extraction
+target-only from 27.9 to 36.8 tokens/s (llama.cpp's grammar path 28-29 in the same runs).
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch

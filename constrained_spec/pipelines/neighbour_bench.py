@@ -81,7 +81,11 @@ def run_neighbour_bench(limit: int = 3, max_new_tokens: int = 256, llama_cpp: bo
         "auto, thread governor": ours("auto", governor), "auto, fixed threads": ours("auto", fixed),
     }
     if llama_calls:
-        configs["llama.cpp grammar (reference)"] = lambda: [call() for call in llama_calls] and None
+        def reference() -> None:
+            for call in llama_calls:
+                call()
+
+        configs["llama.cpp grammar (reference)"] = reference
     rows = {name: NeighbourRow(name) for name in configs}
     saved = threads._GOVERNOR
     try:
