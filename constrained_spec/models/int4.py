@@ -99,10 +99,14 @@ class Int4Linear(nn.Module):
             return self.rows.apply(x, self._prompt, self._kernel)
         return self._kernel(x)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel_bfloat16(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel on ``x`` ``[..., K]`` as rows ``[n, N]``, in the kernel's bfloat16 (for
+        callers whose next op promotes it exactly, ``models.native_decode``)."""
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel_bfloat16(x).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _prompt(self, x: torch.Tensor) -> torch.Tensor:
         """Prompt rows: a float32 matmul over the stored weights once there are enough of them."""

@@ -163,13 +163,18 @@ class BucketedLinear(nn.Module):
         return out.reshape(*new.shape[:-1], out.shape[-1])
 
 
+def float64_variance(x: torch.Tensor) -> torch.Tensor:
+    """The mean of squares of float32 rows ``x`` over the last dimension, summed in float64 and
+    rounded to float32 (batch-invariant, see the module docstring)."""
+    return (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32)
+
+
 def invariant_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     """``LlamaRMSNorm.forward`` with the mean of squares taken in float64 (see the module docstring);
     prompt rows (``self.rows``) take the stock float32 mean, a tenth of a long prompt pass cheaper."""
     input_dtype = hidden_states.dtype
     x = hidden_states.to(torch.float32)
-    variance = self.rows.apply(x, lambda p: p.pow(2).mean(-1, keepdim=True),
-                               lambda n: (n.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32))
+    variance = self.rows.apply(x, lambda p: p.pow(2).mean(-1, keepdim=True), float64_variance)
     x = x * torch.rsqrt(variance + self.variance_epsilon)
     return self.weight * x.to(input_dtype)
 

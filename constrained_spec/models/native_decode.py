@@ -31,22 +31,12 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .int4 import GROUP, Int4Linear, Int4Part
-from .invariant import _allowed
-
-_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-
-
-def _kernel(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer``'s int4 kernel on ``x`` ``[n, K]``, bfloat16 out (``Int4Linear._kernel`` without
-    the conversion back)."""
-    return _int4_mm(x.to(torch.bfloat16).contiguous(), layer.packed, GROUP, layer.scales_and_zeros)
-
+from .int4 import Int4Linear, Int4Part
+from .invariant import _allowed, float64_variance
 
 def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """``models.invariant.invariant_rms_norm`` on float32 rows with no prompt rows among them."""
-    variance = (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32)
-    return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+    return norm.weight * (x * torch.rsqrt(float64_variance(x) + norm.variance_epsilon))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -102,15 +92,15 @@ class NativeDecode:
         states = [x] if hidden else None
         x = x[0]
         for i, (norm1, qkv, qkv_sizes, o_proj, head_dim, scale, norm2, gate_up, gu_sizes, down) in enumerate(self.layers):
-            q, k, v = _kernel(qkv, _norm(norm1, x)).split(qkv_sizes, dim=-1)
+            q, k, v = qkv.kernel_bfloat16(_norm(norm1, x)).split(qkv_sizes, dim=-1)
             q = _rotate(q.view(1, n, -1, head_dim).transpose(1, 2), cos, sin)
             k = _rotate(k.view(1, n, -1, head_dim).transpose(1, 2), cos, sin)
             keys, values = cache.update(k, v.view(1, n, -1, head_dim).transpose(1, 2).float(), i)
             a = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask, scale=scale,
                                                enable_gqa=keys.shape[1] != q.shape[1]).to(torch.float32)
-            x = x + _kernel(o_proj, a.transpose(1, 2).reshape(n, -1))
-            gate, up = _kernel(gate_up, _norm(norm2, x)).to(torch.float32).split(gu_sizes, dim=-1)
-            x = x + _kernel(down, F.silu(gate) * up)
+            x = x + o_proj.kernel_bfloat16(a.transpose(1, 2).reshape(n, -1))
+            gate, up = gate_up.kernel_bfloat16(_norm(norm2, x)).to(torch.float32).split(gu_sizes, dim=-1)
+            x = x + down.kernel_bfloat16(F.silu(gate) * up)
             if hidden:
                 states.append(x[None])
         out = _norm(base.norm, x)[None]
