@@ -508,6 +508,7 @@ def bench_cmd(
     profile_forward: bool = typer.Option(False, "--profile-forward", help="Instead: where a target forward's time goes (output projection, linears, attention, norms, other) for verify passes of --forward-ks new tokens, at each --precision (default native,float32)."),
     forward_ks: str = typer.Option("1,4,12,21", "--forward-ks", help="With --profile-forward: the new tokens per pass."),
     neighbour: bool = typer.Option(False, "--neighbour", help="Instead: each request's time alone, beside one busy core and beside another torch process, with the thread governor and with fixed threads (first --limit prompts, default 3)."),
+    long_prompt: Optional[int] = typer.Option(None, "--long-prompt", min=64, help="Instead: a document of this many tokens (e.g. 3900) in the batch engine, chunked prefill against one-step prefill: memory, the stall of short requests arriving a second after it, and three schemas over the one document."),
 ) -> None:
     """Target-only vs every drafter and K policy on the extraction prompts, side by side in one run.
 
@@ -523,6 +524,9 @@ def bench_cmd(
         return
     if neighbour:
         _run_guarded(lambda: _neighbour_bench(limit or 3, max_new_tokens, llama_cpp, json_out))
+        return
+    if long_prompt is not None:
+        _run_guarded(lambda: _long_prompt_bench(long_prompt, json_out))
         return
     if batch is not None:
         _run_guarded(lambda: _batch_sweep(batch, model, dtype, precision, documents, limit, json_out, plot))
@@ -797,6 +801,34 @@ def _neighbour_bench(limit: int, max_new_tokens: int, llama_cpp: bool, json_out:
     for r in rows:
         ratios = r.ratios()
         table.add_row(r.config, *(f"{r.seconds[n]:.2f} s ({ratios[n]:.2f}x)" for n in NEIGHBOURS))
+    Console(width=max(120, Console().width)).print(table)
+    if json_out:
+        json_out.write_text(json.dumps([r.as_dict() for r in rows], indent=2))
+        err.print(f"figures written to {json_out}")
+
+
+def _long_prompt_bench(tokens: int, json_out: Optional[Path]) -> None:
+    from .pipelines.long_prompt_bench import run_long_prompt_bench
+
+    rows = run_long_prompt_bench(tokens, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    table = Table(title=f"A {rows[0].prompt_tokens}-token extraction prompt in the batch engine (embedded model, "
+                        f"{os.cpu_count()} cores)")
+    table.add_column("figure")
+    for r in rows:
+        table.add_column(r.mode, justify="right")
+    lines = [
+        ("resident memory idle / peak / after (MiB)", lambda r: f"{r.rss_idle_mib:.0f} / {r.rss_peak_mib:.0f} / {r.rss_after_mib:.0f}"),
+        ("growth during the request (MiB)", lambda r: f"{r.rss_peak_mib - r.rss_idle_mib:.0f}"),
+        ("KV cache at its peak (MiB)", lambda r: f"{r.kv_peak_mib:.0f}"),
+        ("long request alone (s)", lambda r: f"{r.long_alone_s:.1f}"),
+        ("long request with short ones beside it (s)", lambda r: f"{r.long_with_short_s:.1f} ({r.long_with_short_s / r.long_alone_s:.2f}x)"),
+        ("short requests arriving 1 s after it (s each)", lambda r: " ".join(f"{s:.1f}" for s in r.short_s)),
+        ("three schemas over the document (s each)", lambda r: " ".join(f"{s:.1f}" for s in r.reuse_s)),
+        ("second and third against the first", lambda r: " ".join(f"{r.reuse_s[0] / s:.1f}x" for s in r.reuse_s[1:])),
+        ("valid outputs", lambda r: f"{r.valid}/{r.outputs}"),
+    ]
+    for name, cell in lines:
+        table.add_row(name, *(cell(r) for r in rows))
     Console(width=max(120, Console().width)).print(table)
     if json_out:
         json_out.write_text(json.dumps([r.as_dict() for r in rows], indent=2))

@@ -79,9 +79,9 @@ def test_skipping_rows_of_single_token_states_changes_nothing(smol, models, prom
     kept: list[int] = []
     real_forward = SpeculativeDecoder._forward
 
-    def counting_forward(self, ids, rows, first=0, subsets=None):
+    def counting_forward(self, ids, rows, first=0, subsets=None, chunks=()):
         kept.append(len(rows))
-        return real_forward(self, ids, rows, first, subsets)
+        return real_forward(self, ids, rows, first, subsets, chunks)
 
     monkeypatch.setattr(SpeculativeDecoder, "_forward", counting_forward)
     def run():

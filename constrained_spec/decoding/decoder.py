@@ -19,7 +19,7 @@ from ..models.threads import thread_governor
 from .growing_cache import growing_cache
 from .kpolicy import FixedK, KPolicy
 from .logits import allowed_subset, forward_logits, supports_subsets
-from .prefix import PrefixCache, prefill_prefix
+from .prefix import Chunk, PrefixCache, load_blocks, prefill_alone, prompt_chunks, store_blocks
 from .repetition import first_repetition
 from .stats import DecodeResult, DecodeStats
 from .verifier import masked_probs, verify_greedy, verify_sampled
@@ -42,6 +42,8 @@ class StepPlan:
     t1: float
     tc: float
     subsets: list[torch.Tensor | None] | None = None
+    #: The prompt chunks among ``tokens[:first]`` (absolute positions; ``decoding.prefix``).
+    chunks: tuple[Chunk, ...] = ()
 
     def row_subsets(self) -> list[torch.Tensor | None]:
         """``subsets``, or None for every row (the whole vocabulary)."""
@@ -56,7 +58,7 @@ class StepPlan:
         subsets = self.row_subsets()
         return StepPlan(self.tokens[: front + k], [self.rows[i] for i in kept], self.first,
                         self.draft.prefix(k), self.masks[: k + 1], self.t0, self.t1, self.tc,
-                        [subsets[i] for i in kept])
+                        [subsets[i] for i in kept], self.chunks)
 
 
 class SpeculativeDecoder:
@@ -76,11 +78,14 @@ class SpeculativeDecoder:
         seed: seeds the one generator the verifier and every drafter share.
         max_new_tokens: the generation limit (also bounded by the model's context).
         prefix_len: how many leading prompt tokens other requests share (a template, a system
-            prompt): fed first in a forward of their own, and looked up in / stored to
-            ``prefix_cache`` (``decoding.prefix``; the same output with or without a cache).
-        prefix_cache: where shared prefixes' keys and values are kept; None computes them.
+            prompt): a cut between prompt chunks (``decoding.prefix``), so that part is a block
+            of its own even when it is shorter than a chunk.
+        prefix_cache: where the prompt's blocks are looked up and kept (``decoding.prefix``; the
+            same output with or without it); None computes them.
         max_repeats: stop when the output ends in this many copies of one token cycle with the
             constraint in the same state after each (``decoding.repetition``); 0: never.
+        prefill_chunk: tokens per prompt chunk (``decoding.prefix``); None: ``PREFILL_CHUNK``;
+            0: the prompt in one piece (no chunked prefill in a batch, no blocks but the prefix's).
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class SpeculativeDecoder:
         prefix_len: int | None = None,
         prefix_cache: PrefixCache | None = None,
         max_repeats: int = 0,
+        prefill_chunk: int | None = None,
     ) -> None:
         if not isinstance(matcher, Matcher):
             raise InvalidOptionError(
@@ -119,6 +125,9 @@ class SpeculativeDecoder:
                 f"Invalid prompt: {len(prompt_ids)} tokens do not fit the model's context of {context} tokens "
                 "(at least one must be left to generate). Shorten the prompt."
             )
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool)
+                                          or prefill_chunk < 0):
+            raise InvalidOptionError(f"Invalid prefill_chunk: expected an integer >= 0 or None, got {prefill_chunk!r}.")
         if not isinstance(temperature, (int, float)) or temperature < 0:
             raise InvalidOptionError(f"Invalid temperature: expected a number >= 0, got {temperature!r}.")
         self.target = target
@@ -143,6 +152,7 @@ class SpeculativeDecoder:
         self.repetition: tuple[int, int] | None = None
         self.prefix_len = prefix_len
         self.prefix_cache = prefix_cache
+        self.prefill_chunk = prefill_chunk
         self._prefilled = 0
         self.output: list[int] = []
         self.finished = False
@@ -155,6 +165,10 @@ class SpeculativeDecoder:
         self._subsets: dict[State, torch.Tensor | None] = {}
         self._use_subsets = supports_subsets(target)
         self._pending: list[int] = []
+        self._pending_chunks: list[Chunk] = []
+        #: Prompt chunks a batch engine feeds in steps of their own before this request's
+        #: first step (``decoding.engine``); empty alone.
+        self.prompt_chunks: list[Chunk] = []
         self.stats = DecodeStats(drafter=drafter.name if drafter else "none", prompt_tokens=len(prompt_ids),
                                  backend=matcher.compiled.backend, relaxed=list(matcher.compiled.warnings),
                                  k_policy=type(self.k_policy).__name__,
@@ -178,13 +192,17 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def _forward(self, ids: list[int], rows: list[int], first: int = 0,
-                 subsets: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+                 subsets: Sequence[torch.Tensor | None] | None = None, chunks: Sequence[Chunk] = ()) -> torch.Tensor:
         """Feed ``ids`` through the target with the cache; logits ``[len(ids) - first, V]`` for
         positions ``first..``, where only the listed ``rows`` (each >= ``first``) are computed and
         the others are zero: the vocabulary projection is a fifth of a forward here, so rows
         nobody reads are skipped, and a row with a subset (``decoding.logits``) is computed over
-        those ids only."""
-        extra: dict[str, Any] = {"prompt_rows": first} if self._batch_invariant else {}  # see models.invariant
+        those ids only. ``chunks``: the prompt chunks among the first ``first`` ids, each
+        computed on its own (``decoding.prefix``)."""
+        extra: dict[str, Any] = {}
+        if self._batch_invariant:  # see models.invariant
+            base = chunks[0].start if chunks else 0
+            extra["prompt_rows"] = [(c.start - base, c.length) for c in chunks] if chunks else first
         taps = self.feature_layers
         if taps:  # a learned head reads the target's hidden states: this forward returns them
             extra["output_hidden_states"] = True
@@ -216,17 +234,36 @@ class SpeculativeDecoder:
         return self._subsets[state]
 
     def start(self) -> None:
-        """Reset the drafter, feed the shared prefix if the request names one (from the prefix
-        cache where it is, see ``decoding.prefix``) and queue the rest: the prompt (minus its
-        last token) rides in the first step's verify pass, one forward less."""
+        """Reset the drafter, copy the prompt's leading blocks from the prefix cache where it
+        holds them and queue the rest (``decoding.prefix``): the remaining chunks ride in the
+        first step's verify pass, one forward less; a batch engine feeds all but the last in
+        steps of their own first (``prompt_chunks``); a model that is not batch-invariant gets
+        all but the last in forwards of their own now."""
         if self.drafter is not None:
             self.drafter.reset(self.prompt_ids)
         t0 = time.perf_counter()
-        self._prefilled, hit = prefill_prefix(self.target, self.cache, self.prompt_ids[:-1], self.prefix_len,
-                                              self.prefix_cache, self._batch_invariant)
-        self.stats.prefix_cached_tokens = self._prefilled if hit else 0
+        tokens = self.prompt_ids[:-1]
+        chunks = prompt_chunks(tokens, self.prefix_len, self.prefill_chunk)
+        loaded = load_blocks(self.cache, chunks, self.prefix_cache, self.device)
+        self.stats.prefix_cached_tokens = chunks[loaded - 1].end if loaded else 0
+        rest = chunks[loaded:]
+        if len(rest) > 1 and not self._batch_invariant:
+            prefill_alone(self.target, self.cache, tokens, rest[:-1], False)
+            self._store(rest[:-1])
+            rest = rest[-1:]
+        elif len(rest) > 1 and self.in_batch:
+            self.prompt_chunks, rest = rest[:-1], rest[-1:]
+        self._pending_chunks = rest
+        self._prefilled = rest[0].start if rest else len(tokens)
         self.stats.prefill_seconds = time.perf_counter() - t0
-        self._pending = self.prompt_ids[self._prefilled : -1]
+        self._pending = tokens[self._prefilled :]
+
+    def _store(self, chunks: Sequence[Chunk]) -> None:
+        """Keep the blocks of ``chunks`` (fed into this request's cache) in the prefix cache."""
+        layers = self.cache.layers
+        store_blocks(self.prefix_cache, list(chunks),
+                     lambda s, e: ([la.keys[0, :, s:e] for la in layers], [la.values[0, :, s:e] for la in layers]),
+                     getattr(self.target, "dtype", None))
 
     def plan(self) -> StepPlan:
         """Steps 1-3 of a step: choose K, draft, and the masks along the draft path. Returns what
@@ -252,11 +289,12 @@ class SpeculativeDecoder:
         if not bool(masks[0].any()):
             raise self._dead_end()
         pending, self._pending = self._pending, []
+        chunks, self._pending_chunks = tuple(self._pending_chunks), []
         first = len(pending)
         read = [i for i, (s, m) in enumerate(zip(draft.states, masks)) if not self._single_token(s, m)]
         subsets = [self._subset(draft.states[i], masks[i]) for i in read] if self._use_subsets else None
         return StepPlan([*pending, self.last, *draft.tokens], [first + i for i in read], first, draft, masks, t0, t1,
-                        time.perf_counter(), subsets)
+                        time.perf_counter(), subsets, chunks)
 
     def finish(self, plan: StepPlan, logits: torch.Tensor, forward_seconds: float,
                prompt_seconds: float | None = None) -> tuple[list[int], int]:
@@ -375,7 +413,9 @@ class SpeculativeDecoder:
         # step) -> logits for k + 1 positions, masked.
         tc = time.perf_counter()
         start = self.cache.get_seq_length()
-        logits = self._forward(plan.tokens, plan.rows, plan.first, plan.subsets)  # [k+1, V]
+        logits = self._forward(plan.tokens, plan.rows, plan.first, plan.subsets, plan.chunks)  # [k+1, V]
+        if plan.chunks and self._batch_invariant:  # each chunk computed on its own: exact blocks
+            self._store(plan.chunks)
         emitted, dropped = self.finish(plan, logits, time.perf_counter() - tc)
         # 5. Roll back: drop the rejected positions from the cache; a learned head sees the
         # target's features of the positions kept.

@@ -8,9 +8,14 @@ every row (K, draft, masks: ``SpeculativeDecoder.plan``), runs one forward over 
 (``SpeculativeDecoder.finish``), so a row in the engine runs the very lines a single request
 runs. Target-only batched decoding is the same engine with K = 0.
 
-A joining request's shared prefix comes from the prefix cache (or a pass of its own, as alone);
-the rest of its prompt rides in its first batched step beside the other rows' new tokens, with
-its first draft after it, as its own first step would feed it. Its prompt rows are attended and
+A joining request's leading prompt blocks come from the prefix cache where it holds them; its
+other prompt chunks (``decoding.prefix``: fixed absolute cuts every ``PREFILL_CHUNK`` tokens)
+are fed one per step beside the other rows' decode steps, so a long document never holds the
+batch for more than one chunk, and only as often as the prefilling rows' share of the steps
+allows (``_prefill_turn``); its last chunk rides in its first batched step with its first draft
+after it, as its own first step would feed it. Each chunk is computed as the request's own first
+forward computes it, so its keys are the same bit for bit and are kept as blocks for later
+prompts that start the same way. Its prompt rows are attended and
 normalized per segment with the kernels its own first pass uses (``decoding.packing``), so
 with a batch-invariant model (native precision, GPUs; see ``models.invariant``) each row's
 keys are bit for bit those of that request alone (tested; its logits up to the output
@@ -36,7 +41,7 @@ from .decoder import SpeculativeDecoder, StepPlan, tap_features
 from .kpolicy import KPolicy
 from .logits import forward_logits, supports_subsets
 from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
-from .prefix import PrefixCache, prefix_cache_for
+from .prefix import Chunk, PrefixCache, prefix_cache_for, store_blocks
 from .profiles import detect_profile
 from .rowcache import RowCache
 from .stats import DecodeResult
@@ -73,16 +78,20 @@ class BatchEngine:
         max_batch: the most rows decoded at once; more requests wait for a free slot.
         precision, profile: pick the forward-cost prior of the step budget (``decoding.budget``);
             None: the target's dtype and the detected profile.
-        prefix_cache: where requests' shared prompt prefixes are kept (``decoding.prefix``):
-            True for the model's shared one, False for none, or a ``PrefixCache``.
+        prefix_cache: where requests' prompt blocks are kept (``decoding.prefix``): True for the
+            model's shared one, False for none, or a ``PrefixCache``.
+        prefill_chunk: tokens per prompt chunk (None: ``PREFILL_CHUNK``; 0: every prompt fed
+            in one step, as before chunked prefill).
     """
 
     def __init__(self, target: Any, *, max_batch: int = 16, precision: str | None = None,
-                 profile: str | None = None, prefix_cache: PrefixCache | bool = True) -> None:
+                 profile: str | None = None, prefix_cache: PrefixCache | bool = True,
+                 prefill_chunk: int | None = None) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise InvalidOptionError(f"Invalid max_batch: expected an integer >= 1, got {max_batch!r}.")
         self.target = target
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.device = next(target.parameters()).device
         context = getattr(target.config, "max_position_embeddings", None) or 4096
         invariant = bool(getattr(target, "batch_invariant", False))
@@ -103,6 +112,11 @@ class BatchEngine:
         self.cost = BatchCost(*batch_cost_prior(profile or detect_profile(), precision))
         #: Tokens fed by each batched step (rows plus kept drafts), for figures and tests.
         self.step_tokens: list[int] = []
+        #: Prompt-chunk tokens fed by each batched step (0 or one chunk), for figures and tests.
+        self.step_chunk_tokens: list[int] = []
+        # Seconds of steps the prefilling rows are owed (their share of the steps) less those
+        # their chunks took (``_prefill_turn``).
+        self._prefill_credit = 0.0
 
     def submit(self, prompt_ids: list[int], matcher: Matcher, *, drafter: Drafter | None = None,
                k_policy: KPolicy | None = None, temperature: float = 0.0, seed: int | None = None,
@@ -114,7 +128,8 @@ class BatchEngine:
         step with a free slot."""
         dec = SpeculativeDecoder(self.target, matcher, prompt_ids, drafter=drafter, k_policy=k_policy,
                                  temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                                 prefix_len=prefix_len, prefix_cache=self.prefix_cache, max_repeats=max_repeats)
+                                 prefix_len=prefix_len, prefix_cache=self.prefix_cache, max_repeats=max_repeats,
+                                 prefill_chunk=self.prefill_chunk)
         dec.in_batch = True
         req = Request(next(self._ids), dec, on_tokens)
         self.waiting.append(req)
@@ -197,28 +212,57 @@ class BatchEngine:
             self._close(req)
             finished.append(req)
 
+    def _prefill_turn(self) -> int | None:
+        """The slot of the row whose next prompt chunk this step feeds, if any: the prefilling
+        row that joined first, each step while no row decodes, else when the steps' share owed
+        to the prefilling rows (their number over the rows', of each step's time) has caught up
+        with the time their chunks took. A chunk costs what hundreds of decode tokens cost here,
+        so fed every step it would slow every decoding row's step that much."""
+        waiting = [i for i, r in enumerate(self.active) if r.decoder.prompt_chunks and r.error is None]
+        if not waiting:
+            self._prefill_credit = 0.0
+            return None
+        if len(waiting) == len(self.active):
+            self._prefill_credit = 0.0  # nobody else to be fair to
+        elif self._prefill_credit < 0:
+            return None
+        return min(waiting, key=lambda i: self.active[i].id)
+
     @torch.no_grad()
     def _batched_step(self) -> None:
-        """Plan every row, one forward, then each row verifies, commits and rolls back."""
+        """Plan every row, one forward, then each row verifies, commits and rolls back; a
+        prefilling row feeds its next prompt chunk when it is its turn (``_prefill_turn``)."""
+        self._catch_up()
         plans: list[StepPlan | None] = []
         for req in self.active:
+            if req.decoder.prompt_chunks:  # still feeding its prompt: nothing to plan yet
+                plans.append(None)
+                continue
             try:
                 plans.append(req.decoder.plan())
             except Exception as e:
                 req.error = e
                 plans.append(None)
+        feeding = self._prefill_turn()
+        chunk = self.active[feeding].decoder.prompt_chunks[0] if feeding is not None else None
         live = [(i, p) for i, p in enumerate(plans) if p is not None]
-        if not live:
+        if not live and chunk is None:
             return
         b = len(self.active)
-        live = self._budget(live)
+        live = self._budget(live, chunk.length if chunk is not None else 0)
         counts, prompts = [0] * b, [0] * b
         for i, p in live:
             counts[i], prompts[i] = len(p.tokens) - p.first, p.first
+        if chunk is not None:
+            prompts[feeding] = chunk.length
         packing = pack_rows(self.cache.lengths, counts, prompts, additive=self._additive_mask)
         self.step_tokens.append(packing.tokens)
+        self.step_chunk_tokens.append(chunk.length if chunk is not None else 0)
         self.cache.reserve(packing.key_length)
-        ids = torch.tensor([t for _, p in live for t in p.tokens], dtype=torch.long)
+        fed = {i: p.tokens for i, p in live}
+        if chunk is not None:
+            fed[feeding] = self.active[feeding].decoder.prompt_ids[chunk.start : chunk.end]
+        ids = torch.tensor([t for i in sorted(fed) for t in fed[i]], dtype=torch.long)
         needed = [packing.starts[i] + r for i, p in live for r in p.rows]  # packed indices whose logits are read
         self.cache.active = b
         self.cache.packing = packing.to(self.device)
@@ -239,7 +283,7 @@ class BatchEngine:
             if needed:  # small states over their allowed ids only (decoding.logits)
                 subsets = [s for _, p in live for s in p.row_subsets()]
                 out, logits = forward_logits(self.target, needed, subsets, self._subsets, **inputs)
-            else:  # every row is in a single-token state: only the keys are needed
+            else:  # every row is in a single-token state, or feeds a chunk: only the keys are needed
                 out = self.target.base_model(**inputs)
                 logits = None
             hidden = out.hidden_states if with_features else None
@@ -247,7 +291,13 @@ class BatchEngine:
             self.cache.packing = None
         seconds = time.perf_counter() - t0
         self.batch_forwards += 1
-        self.cost.add(packing.tokens, seconds)
+        if chunk is None:  # a chunk's rows take the dense prompt path: another cost per token
+            self.cost.add(packing.tokens, seconds)
+        else:
+            self._fed_chunk(feeding, chunk, seconds * chunk.length / packing.tokens)
+        if feeding is not None or any(r.decoder.prompt_chunks for r in self.active):
+            share = sum(bool(r.decoder.prompt_chunks) or i == feeding for i, r in enumerate(self.active)) / b
+            self._prefill_credit = min(self._prefill_credit + share * seconds, seconds)
         vocab = logits.shape[-1] if logits is not None else int(self.target.config.vocab_size)
         dtype = logits.dtype if logits is not None else torch.float32
         read = 0  # ``needed`` lists each row's positions in turn: its logits are the next len(rows)
@@ -263,6 +313,8 @@ class BatchEngine:
             except Exception as e:
                 req.error = e
                 continue
+            if p.chunks and self._invariant:  # its last chunk, computed on its own: a block if it ends at a cut
+                self._store_blocks(i, p.chunks)
             self.cache.keep(i, len(p.tokens) - dropped)
             if hidden is not None and reads[i]:
                 at = packing.starts[i]
@@ -270,14 +322,43 @@ class BatchEngine:
                                              dropped)
             self._emit(req, emitted)
 
-    def _budget(self, live: list[tuple[int, StepPlan]]) -> list[tuple[int, StepPlan]]:
+    def _catch_up(self) -> None:
+        """Copy into each prefilling row the chunks it has yet to feed that the prefix cache
+        now holds (another row fed them: requests that share a template and joined together)."""
+        if self.prefix_cache is None:
+            return
+        for slot, req in enumerate(self.active):
+            dec = req.decoder
+            while dec.prompt_chunks and dec.prompt_chunks[0].key in self.prefix_cache:
+                chunk = dec.prompt_chunks.pop(0)
+                keys, values = self.prefix_cache.get(chunk.key)  # type: ignore[misc]
+                self.cache.append(slot, keys, values)
+                dec.stats.prefix_cached_tokens = chunk.end
+
+    def _fed_chunk(self, slot: int, chunk: Chunk, seconds: float) -> None:
+        """Book a prompt chunk the row in ``slot`` fed this step (``seconds``: its share)."""
+        dec = self.active[slot].decoder
+        dec.prompt_chunks.pop(0)
+        dec.stats.prefill_seconds += seconds
+        self.cache.keep(slot, chunk.length)
+        self._prefill_credit -= seconds
+        self._store_blocks(slot, [chunk])
+
+    def _store_blocks(self, slot: int, chunks: list[Chunk]) -> None:
+        """Keep the blocks of ``chunks`` (held by the row in ``slot``) in the prefix cache."""
+        cache = self.cache
+        store_blocks(self.prefix_cache, chunks,
+                     lambda s, e: ([k[slot, :, s:e] for k in cache.keys], [v[slot, :, s:e] for v in cache.values]),
+                     getattr(self.target, "dtype", None))
+
+    def _budget(self, live: list[tuple[int, StepPlan]], chunk_tokens: int = 0) -> list[tuple[int, StepPlan]]:
         """Cut the drafts of rows whose K policy allows it to the set with the most expected
-        tokens per second (``decoding.budget``)."""
+        tokens per second (``decoding.budget``); ``chunk_tokens``: a prompt chunk the step feeds too."""
         cut = [(i, p) for i, p in live if self.active[i].decoder.budgeted and p.draft.tokens]
         if not cut:
             return live
         survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds(), p.draft.confidence)  # type: ignore[union-attr]
                      for i, p in cut]
-        fixed_tokens = sum(len(p.tokens) for _, p in live) - sum(len(p.draft.tokens) for _, p in cut)
+        fixed_tokens = sum(len(p.tokens) for _, p in live) - sum(len(p.draft.tokens) for _, p in cut) + chunk_tokens
         keep = dict(zip((i for i, _ in cut), choose_drafts(survivals, fixed_tokens, float(len(live)), self.cost)))
         return [(i, p.cut(keep[i]) if i in keep else p) for i, p in live]

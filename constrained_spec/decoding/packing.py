@@ -198,6 +198,8 @@ def _packed_attention(base: str) -> Any:
         out = query.new_empty(query.shape[2], heads, dim)  # [N, h, d]
         # New tokens: grids of [rows, h, w, d] queries, each row against its own keys.
         for grid in packing.grids:
+            if not grid.tokens.numel():  # no row feeds new tokens (a prompt chunk alone)
+                continue
             k, v = (key, value) if grid.slots is None else (key.index_select(0, grid.slots), value.index_select(0, grid.slots))
             rows = k.shape[0]
             q = query[0].index_select(1, grid.gather).view(heads, rows, grid.width, dim).transpose(0, 1)

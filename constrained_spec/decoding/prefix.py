@@ -1,41 +1,93 @@
-"""Prefix caching: the KV of a prompt's shared leading part, computed once and reused by every
-request that starts with the same tokens.
+"""Prompt chunks at fixed absolute boundaries, and the prefix cache of their blocks.
 
-A request may name how many of its prompt tokens are shared with other requests
-(``prefix_len``: the extraction template before the document, a server's system prompt). Those
-tokens are always fed in their own forward, first, whether or not a cache is used; the rest of
-the prompt rides in the first verify pass as before. A cached prefix is therefore the very
-tensor a cold run computes for it (the same kernels on the same inputs), so outputs are
-identical with and without the cache. A request that names no shared prefix is fed in one
-pass, as before: fixed block boundaries for every prompt were measured to cost a cold
-91-token prompt 85 ms here (two extra forwards of ~40 ms each), 17% of a single request's
-speed, and the prompt rows' stock kernels are not invariant to how a prompt is split.
+A prompt (all its tokens but the last, which opens the first step) is cut into *chunks* at fixed
+absolute positions: every ``PREFILL_CHUNK`` tokens from its start and, where the request names
+one (``prefix_len``: an extraction template, a server's system prompt), the end of its shared
+prefix. A chunk is computed by kernel calls of its own, over its own rows and the keys before
+them (``models.invariant``: prompt rows keep the stock kernels, which are not invariant to how
+many rows share a call, so a chunk's bits depend on where the cuts are; the cuts are fixed). On
+a batch-invariant model (native precision, GPUs):
 
-Entries are keyed by the prefix's tokens (a dict lookup compares them, so two prompts never
-share keys by a hash collision), evicted least recently used beyond ``max_bytes``; one cache
-serves one model (``prefix_cache_for``).
+- a request alone feeds every chunk in its first forward (one prompt segment each, no extra
+  forward); the batch engine feeds a long prompt's chunks one per step between the other rows'
+  decode steps (``decoding.engine``). Both give each position the same keys, bit for bit;
+- a chunk's keys depend only on the tokens up to its end and the cuts before it, so a chunk
+  that ends at a fixed cut is kept as a *block* keyed by exactly those (``Chunk.key``), and any
+  later prompt that starts with the same chunks reuses them, bit for bit: several schemas over
+  one document (with the document first in the prompt), a conversation growing turn by turn, a
+  server's system prompt. ``prefix_len`` is no longer needed for reuse; it adds a cut where a
+  shared part shorter than a chunk ends.
+
+A model that is not batch-invariant (float32 on the CPU: its linear layers see a forward's rows
+at once) feeds each chunk but the last in a forward of its own, which makes its blocks exact too.
+
+Blocks are keyed by their tokens (a dict lookup compares them, so two prompts never share keys
+by a hash collision) and evicted least recently used beyond ``max_bytes``; one cache serves one
+model (``prefix_cache_for``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-#: Default bound on a cache's tensors (SmolLM2-135M in float32: 46 KiB per cached token).
+#: Default bound on a cache's tensors (SmolLM2-135M in float32: 46 KiB per cached token, so
+#: about 5,700 tokens of blocks).
 DEFAULT_MAX_BYTES = 256 * 2**20
-#: Shorter shared prefixes are not worth a forward of their own.
+#: Shorter shared prefixes are not worth a cut of their own.
 MIN_PREFIX = 16
+#: Tokens per prompt chunk. On this CPU a 256-token chunk takes 0.6-1.2 s at native precision
+#: (more the more keys precede it): what a long prompt holds the batch for, at most, in one step.
+PREFILL_CHUNK = 256
+
+BlockKey = tuple[tuple[int, ...], tuple[int, ...]]
+Block = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt positions ``start .. end - 1``, computed together; ``key``: its block's key (the
+    tokens up to ``end`` and every cut up to it) when ``end`` is a fixed cut, else None (the
+    prompt's tail, which ends wherever the prompt does)."""
+
+    start: int
+    end: int
+    key: BlockKey | None
+
+    @property
+    def length(self) -> int:
+        """Tokens in the chunk."""
+        return self.end - self.start
+
+
+def prompt_chunks(tokens: list[int], prefix_len: int | None = None, size: int | None = None) -> list[Chunk]:
+    """The chunks of ``tokens`` (a prompt without its last token; see the module docstring):
+    cuts every ``size`` tokens (None: ``PREFILL_CHUNK``; 0: none, the prompt in one piece but
+    for its shared prefix, as before chunked prefill)."""
+    n = len(tokens)
+    size = PREFILL_CHUNK if size is None else size  # read at call time: tests shrink it
+    fixed = set(range(size, n + 1, size)) if size else set()
+    if prefix_len is not None and MIN_PREFIX <= prefix_len < n:
+        fixed.add(prefix_len)
+    ends = sorted(fixed | ({n} if n else set()))
+    chunks, start = [], 0
+    for i, end in enumerate(ends):
+        key = (tuple(tokens[:end]), tuple(ends[: i + 1])) if end in fixed else None
+        chunks.append(Chunk(start, end, key))
+        start = end
+    return chunks
 
 
 class PrefixCache:
-    """LRU map from a shared prompt prefix's tokens to its keys and values (one
-    ``[kv_heads, length, head_dim]`` pair per layer)."""
+    """LRU map from a block's key to its keys and values (one ``[kv_heads, length, head_dim]``
+    pair per layer, in the model's dtype)."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        self._entries: OrderedDict[Any, Block] = OrderedDict()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -43,26 +95,29 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, prefix: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """The keys and values of ``prefix``, marked recently used; None if absent."""
-        entry = self._entries.get(prefix)
+    def __contains__(self, key: Any) -> bool:
+        return key in self._entries
+
+    def get(self, key: Any) -> Block | None:
+        """The keys and values of block ``key``, marked recently used; None if absent."""
+        entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
             return None
-        self._entries.move_to_end(prefix)
+        self._entries.move_to_end(key)
         self.hits += 1
         return entry
 
-    def put(self, prefix: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Store ``prefix``'s keys and values (copies), evicting the least recently used beyond the bound."""
-        if prefix in self._entries:
+    def put(self, key: Any, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Store a block's keys and values (copies), evicting the least recently used beyond the bound."""
+        if key in self._entries:
             return
         keys = [k.detach().clone() for k in keys]
         values = [v.detach().clone() for v in values]
         size = sum(t.numel() * t.element_size() for t in keys + values)
         if size > self.max_bytes:
             return
-        self._entries[prefix] = (keys, values)
+        self._entries[key] = (keys, values)
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, (old_k, old_v) = self._entries.popitem(last=False)
@@ -95,25 +150,39 @@ def shared_prefix_length(full: list[int], prefix_only: list[int]) -> int:
     return max(0, n - 1)
 
 
-@torch.no_grad()
-def prefill_prefix(target: Any, cache: Any, tokens: list[int], prefix_len: int | None, store: PrefixCache | None,
-                   batch_invariant: bool) -> tuple[int, bool]:
-    """Feed ``tokens[:prefix_len]`` into ``cache`` (a request's, empty) in a forward of its
-    own, or copy it from ``store``. Returns (tokens fed, whether they came from the store); the
-    caller feeds the rest. Nothing is fed when there is no shared prefix worth one."""
-    if prefix_len is None or prefix_len < MIN_PREFIX or prefix_len >= len(tokens):
-        return 0, False
-    key = tuple(tokens[:prefix_len])
-    device = next(target.parameters()).device
-    entry = store.get(key) if store is not None else None
-    if entry is not None:
+def load_blocks(cache: Any, chunks: list[Chunk], store: PrefixCache | None, device: torch.device) -> int:
+    """Copy the leading chunks that ``store`` holds into ``cache`` (a request's, empty), in
+    order, stopping at the first it lacks. Returns how many were copied."""
+    loaded = 0
+    for chunk in chunks:
+        entry = store.get(chunk.key) if store is not None and chunk.key is not None else None
+        if entry is None:
+            break
         for layer, (k, v) in enumerate(zip(*entry)):
             cache.update(k[None].to(device), v[None].to(device), layer)
-        return prefix_len, True
-    extra = {"prompt_rows": prefix_len} if batch_invariant else {}
-    target.base_model(input_ids=torch.tensor([list(key)], device=device), cache=cache, use_cache=True, **extra)
-    if store is not None:  # in the model's dtype (a request's cache may hold float64 copies)
-        dtype = getattr(target, "dtype", None)
-        store.put(key, [layer.keys[0].to(dtype or layer.keys.dtype) for layer in cache.layers],
-                  [layer.values[0].to(dtype or layer.values.dtype) for layer in cache.layers])
-    return prefix_len, False
+        loaded += 1
+    return loaded
+
+
+def store_blocks(store: PrefixCache | None, chunks: list[Chunk],
+                 layers: Callable[[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]],
+                 dtype: torch.dtype | None) -> None:
+    """Keep the cacheable ``chunks`` in ``store``; ``layers(start, end)`` gives their positions'
+    keys and values per layer (``[kv_heads, length, head_dim]``), kept in ``dtype`` (a cache may
+    hold float64 copies of float32 keys: back to float32 exactly)."""
+    if store is None:
+        return
+    for chunk in chunks:
+        if chunk.key is not None and chunk.key not in store:
+            keys, values = layers(chunk.start, chunk.end)
+            store.put(chunk.key, [k.to(dtype or k.dtype) for k in keys], [v.to(dtype or v.dtype) for v in values])
+
+
+@torch.no_grad()
+def prefill_alone(target: Any, cache: Any, tokens: list[int], chunks: list[Chunk], batch_invariant: bool) -> None:
+    """Feed each of ``chunks`` into ``cache`` in a forward of its own."""
+    device = next(target.parameters()).device
+    for chunk in chunks:
+        extra = {"prompt_rows": chunk.length} if batch_invariant else {}
+        target.base_model(input_ids=torch.tensor([tokens[chunk.start : chunk.end]], device=device), cache=cache,
+                          use_cache=True, **extra)

@@ -128,6 +128,22 @@ class RowCache(Cache):
         self.active += 1
         return slot
 
+    def append(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write a block's keys and values (per layer ``[kv_heads, n, head_dim]``) after the
+        row's held positions, and count them."""
+        start = int(self.lengths[slot])
+        n = keys[0].shape[1]
+        self.reserve(start + n)
+        for i, (k, v) in enumerate(zip(keys, values)):
+            if self.dtype is not None:
+                k, v = k.to(self.dtype), v.to(self.dtype)
+            if self.keys[i] is None:
+                shape = (self.slots, k.shape[0], self.capacity, k.shape[2])
+                self.keys[i], self.values[i] = k.new_zeros(shape), v.new_zeros(shape)
+            self.keys[i][slot, :, start : start + n] = k
+            self.values[i][slot, :, start : start + n] = v
+        self.lengths[slot] = start + n
+
     def remove_row(self, slot: int) -> int | None:
         """Free ``slot``; the last active row moves into it. Returns the slot that moved (now
         ``slot``), or None if ``slot`` was the last."""

@@ -96,7 +96,16 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
         if self.rows is not None and self.prompt_weight is not None:
-            return self.rows.apply(x, self._prompt, self._kernel)
+            dense: list[torch.Tensor] = []  # the float32 weights, converted once for all of a forward's chunks
+
+            def prompt(rows: torch.Tensor) -> torch.Tensor:
+                if rows.shape[-2] < MIN_DENSE_ROWS:
+                    return self._kernel(rows)
+                if not dense:
+                    dense.append(self.prompt_weight.float())
+                return nn.functional.linear(rows.float(), dense[0]).to(rows.dtype)
+
+            return self.rows.apply(x, prompt, self._kernel)
         return self._kernel(x)
 
     def kernel_bfloat16(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,12 +116,6 @@ class Int4Linear(nn.Module):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel_bfloat16(x).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def _prompt(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt rows: a float32 matmul over the stored weights once there are enough of them."""
-        if x.shape[-2] < MIN_DENSE_ROWS:
-            return self._kernel(x)
-        return nn.functional.linear(x.float(), self.prompt_weight.float()).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 (int4 kernel)"

@@ -35,6 +35,7 @@ Everything else (embedding, rotary embedding, residual adds, SiLU) is elementwis
 
 from __future__ import annotations
 
+import itertools
 import types
 from typing import Any, Callable
 
@@ -190,18 +191,24 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     q_len, kv_len = query.shape[2], key.shape[2]
     past = kv_len - q_len
     segments = prompt_segments(kwargs.pop("prompt_rows", 0))
-    if segments and segments != [(0, segments[0][1])]:
+    if [s for s, _ in segments] != list(itertools.accumulate((n for _, n in segments), initial=0))[: len(segments)]:
         raise ValueError("invariant_attention takes leading prompt rows only; a packed step goes through "
                          "decoding.packing, which calls it per prompt segment")
-    prompt_rows = segments[0][1] if segments else 0
+    prompt_rows = sum(n for _, n in segments)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     parts = []
-    if prompt_rows:
-        keys = past + prompt_rows
-        mask = attention_mask[..., :prompt_rows, :keys] if attention_mask is not None else None
+    for start, rows in segments:  # each prompt chunk on its own keys (decoding.prefix)
+        keys = past + start + rows
+        if attention_mask is not None:
+            mask = attention_mask[..., start : start + rows, :keys]
+        elif past + start:  # a chunk after others: causal over the keys before it too
+            mask = (torch.arange(keys, device=query.device)[None, :]
+                    <= past + start + torch.arange(rows, device=query.device)[:, None])[None, None]
+        else:
+            mask = None
         # A request's cache may hold float64 copies (decoding.growing_cache): back to the
         # query's dtype, exactly, for the stock kernel.
-        out, _ = sdpa_attention_forward(module, query[:, :, :prompt_rows], key[:, :, :keys].to(query.dtype),
+        out, _ = sdpa_attention_forward(module, query[:, :, start : start + rows], key[:, :, :keys].to(query.dtype),
                                         value[:, :, :keys].to(query.dtype), mask, dropout=dropout, scaling=scale,
                                         **kwargs)
         parts.append(out)

@@ -1,0 +1,202 @@
+"""Long documents in the batch engine: the figures behind ``constrained-spec bench --long-prompt``.
+
+Three measurements on the embedded model, each side by side with the behaviour before chunked
+prefill where it can still be selected (``prefill_chunk=0``: a prompt fed in one step):
+
+- memory: the process's resident memory before, at its peak during and after one extraction
+  request over a long document (sampled every 50 ms), and the engine's KV bytes;
+- stalls: that request alone, then again with four short extraction requests arriving one second
+  after it, the engine stepping them all (as the server's worker does): each one's seconds from
+  its arrival to its end;
+- reuse: three different schemas extracted from one long document, one after another, with the
+  document first in the prompt: each one's seconds, the second and third reading the document's
+  blocks from the prefix cache (against the same three with the cache off).
+
+The document is the package's people and extraction documents joined (and repeated) to the
+asked length: realistic text, and every output is checked against its schema.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+DATA = Path(__file__).resolve().parent / "data"
+#: The reuse measurement's template: the document first, so every schema shares its blocks.
+DOCUMENT_FIRST_TEMPLATE = "Document:\n{text}\n\nExtract the following fields from the document and answer with JSON.\n\nFields:\n{fields}"
+
+
+class Contact(BaseModel):
+    """The second schema of the reuse measurement."""
+
+    name: str
+    city: str
+
+
+class Job(BaseModel):
+    """The third schema of the reuse measurement."""
+
+    occupation: str
+    age: int
+
+
+def long_document(tokenizer: Any, tokens: int) -> str:
+    """The shipped documents joined, repeated as needed, cut to about ``tokens`` tokens."""
+    texts = [json.loads(line)["text"] for name in ("people.jsonl", "extraction.jsonl")
+             for line in (DATA / name).read_text().splitlines() if line.strip()]
+    parts: list[str] = []
+    while len(tokenizer(" ".join(parts))["input_ids"]) < tokens:
+        parts.extend(texts)
+    ids = tokenizer(" ".join(parts))["input_ids"][:tokens]
+    return tokenizer.decode(ids)
+
+
+def _rss_mib() -> float:
+    """This process's resident memory (Linux)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _PeakMemory:
+    """The peak resident memory while the ``with`` block runs (sampled every 50 ms)."""
+
+    def __enter__(self) -> "_PeakMemory":
+        self.peak = _rss_mib()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, _rss_mib())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mib())
+
+
+@dataclass
+class LongPromptRow:
+    """One prefill mode's figures."""
+
+    mode: str
+    prompt_tokens: int = 0
+    rss_idle_mib: float = 0.0
+    rss_peak_mib: float = 0.0
+    rss_after_mib: float = 0.0
+    kv_peak_mib: float = 0.0
+    long_alone_s: float = 0.0
+    long_with_short_s: float = 0.0
+    short_s: list[float] = field(default_factory=list)
+    reuse_s: list[float] = field(default_factory=list)
+    valid: int = 0
+    outputs: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as plain values (for ``--json``)."""
+        return {k: (round(v, 2) if isinstance(v, float) else [round(x, 2) for x in v] if isinstance(v, list) else v)
+                for k, v in self.__dict__.items()}
+
+
+def _submit(engine: Any, handle: Any, schema: type[BaseModel], prompt: str) -> Any:
+    from ..api import encode_prompt
+    from ..constraint import compile_constraint
+    from ..drafters import build_drafter
+    from ..decoding import AdaptiveK
+
+    compiled = compile_constraint(schema, handle.tokenizer)
+    m = compiled.matcher()
+    req = engine.submit(encode_prompt(handle, prompt), m, drafter=build_drafter("auto", m, handle.tokenizer),
+                        k_policy=AdaptiveK(), max_new_tokens=96)
+    req.schema = schema  # type: ignore[attr-defined]
+    return req
+
+
+def _valid(handle: Any, req: Any) -> bool:
+    try:
+        req.schema.model_validate_json(handle.tokenizer.decode(req.result.tokens))
+        return req.error is None
+    except ValueError:
+        return False
+
+
+def run_long_prompt_bench(tokens: int = 3900, short: int = 4, arrival: float = 1.0,
+                          progress: Callable[[str], None] = lambda _m: None) -> list[LongPromptRow]:
+    """The three measurements (module docstring) with chunked prefill and without."""
+    from ..decoding import BatchEngine, PrefixCache
+    from ..models.loading import load_model
+    from .batch_bench import Person
+    from .extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
+
+    handle = load_model()
+    doc = long_document(handle.tokenizer, tokens)
+    shorts = [json.loads(line)["text"] for line in (DATA / "people.jsonl").read_text().splitlines()[:short]]
+    person_fields = describe_fields(Person.model_json_schema())
+    long_prompt = DEFAULT_PROMPT_TEMPLATE.format(fields=person_fields, text=doc)
+    rows = []
+    for mode, chunk in (("chunked prefill (now)", None), ("one-step prefill (before)", 0)):
+        row = LongPromptRow(mode)
+        row.prompt_tokens = len(handle.tokenizer(long_prompt)["input_ids"])
+        outcomes: list[Any] = []
+
+        # 1. Alone, with memory.
+        engine = BatchEngine(handle.model, max_batch=16, precision=handle.precision, prefix_cache=False,
+                             prefill_chunk=chunk)
+        row.rss_idle_mib = _rss_mib()
+        progress(f"{mode}: the long request alone")
+        with _PeakMemory() as peak:
+            t0 = time.perf_counter()
+            req = _submit(engine, handle, Person, long_prompt)
+            while engine.busy:
+                engine.step()
+                row.kv_peak_mib = max(row.kv_peak_mib, engine.cache.allocated_bytes / 2**20)
+            row.long_alone_s = time.perf_counter() - t0
+        outcomes.append(req)
+        row.rss_peak_mib, row.rss_after_mib = peak.peak, _rss_mib()
+
+        # 2. With short requests arriving ``arrival`` seconds after it.
+        progress(f"{mode}: the long request with {short} short ones arriving {arrival:g} s after it")
+        t0 = time.perf_counter()
+        long_req = _submit(engine, handle, Person, long_prompt)
+        pending = list(shorts)
+        ends: dict[Any, float] = {}
+        short_reqs: list[Any] = []
+        while engine.busy or pending:
+            if pending and time.perf_counter() - t0 >= arrival:
+                short_reqs = [_submit(engine, handle, Person, DEFAULT_PROMPT_TEMPLATE.format(fields=person_fields, text=t))
+                              for t in pending]
+                pending = []
+            if not engine.busy:
+                time.sleep(0.01)
+                continue
+            for done in engine.step():
+                ends[done] = time.perf_counter() - t0
+        row.long_with_short_s = ends[long_req]
+        row.short_s = [ends[r] - arrival for r in short_reqs]
+        outcomes += [long_req, *short_reqs]
+
+        # 3. Three schemas over one document, the document first.
+        progress(f"{mode}: three schemas over one document" + (" (prefix cache on)" if chunk is None else " (cache off)"))
+        engine = BatchEngine(handle.model, max_batch=16, precision=handle.precision,
+                             prefix_cache=PrefixCache() if chunk is None else False, prefill_chunk=chunk)
+        for schema in (Person, Contact, Job):
+            prompt = DOCUMENT_FIRST_TEMPLATE.format(fields=describe_fields(schema.model_json_schema()), text=doc)
+            t0 = time.perf_counter()
+            req = _submit(engine, handle, schema, prompt)
+            list(engine.run())
+            row.reuse_s.append(time.perf_counter() - t0)
+            outcomes.append(req)
+        row.outputs = len(outcomes)
+        row.valid = sum(_valid(handle, r) for r in outcomes)
+        rows.append(row)
+    return rows
