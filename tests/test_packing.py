@@ -69,6 +69,24 @@ def _decoder(smol, compiled, prompt, prefix_len, cache):
                               prefix_len=prefix_len, prefix_cache=cache)
 
 
+def test_rows_of_very_different_lengths_attend_in_grids_of_their_own():
+    """A 4,000-token row beside short ones: its queries get a grid of their own, the short rows'
+    grid spans their keys only; while it feeds nothing (waiting for its next prompt chunk) it is
+    in no grid at all."""
+    lengths = torch.tensor([300, 4000, 280, 350])
+    p = pack_rows(lengths, [2, 1, 3, 1])
+    assert len(p.grids) == 2 and p.key_length == 4000 + 3
+    short, long = sorted(p.grids, key=lambda g: g.keys)
+    assert short.slots.tolist() == [0, 2, 3] and short.keys == 350 + 3 and short.mask.shape == (3, 1, 3, 353)
+    assert long.slots.tolist() == [1] and long.keys == 4001 and long.width == 1
+    assert sorted(short.tokens.tolist() + long.tokens.tolist()) == list(range(7))
+    waiting = pack_rows(lengths, [2, 0, 3, 1])
+    [grid] = waiting.grids
+    assert grid.slots.tolist() == [0, 2, 3] and grid.keys == 353
+    near = pack_rows(torch.tensor([300, 500, 280]), [2, 0, 1])  # similar lengths: one grid over all, no gather
+    assert [g.slots for g in near.grids] == [None]
+
+
 def test_a_joining_prompt_gets_its_own_first_pass_bit_for_bit(native, monkeypatch):
     """Three requests join one engine at different times (one with no shared prefix, two from
     the prefix cache; one while the others decode): each one's keys equal those of its own first

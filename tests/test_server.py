@@ -196,6 +196,10 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert re.search(r'constrained_spec_requests_total\{endpoint="/v1/chat/completions",status="200"\} [1-9]', text)
     assert re.search(r"constrained_spec_output_tokens_total [1-9]", text)
     assert "constrained_spec_queue_depth" in text and "constrained_spec_time_to_first_token_seconds_bucket" in text
+    # The request is done: its KV rows are given back (decoding.rowcache); its prompt's block, if
+    # it had a full chunk, stays in the prefix cache.
+    assert re.search(r"constrained_spec_kv_cache_bytes 0\.0", text)
+    assert re.search(r"constrained_spec_prefix_cache_bytes \d", text)
 
 
 def test_full_queue_is_429_and_a_disconnect_frees_the_slot(server):

@@ -199,6 +199,7 @@ class BatchEngine:
     def _retire(self, finished: list[Request]) -> None:
         """Free the slots of rows that are done, failed or cancelled (highest slot first, so the
         rows that move down are ones that stay)."""
+        released = False
         for slot in range(len(self.active) - 1, -1, -1):
             req = self.active[slot]
             if not (req.decoder.done or req.error is not None or req.cancelled):
@@ -211,6 +212,9 @@ class BatchEngine:
             req.slot = None
             self._close(req)
             finished.append(req)
+            released = True
+        if released:
+            self.cache.release()  # a long row's memory goes back when it leaves (decoding.rowcache)
 
     def _prefill_turn(self) -> int | None:
         """The slot of the row whose next prompt chunk this step feeds, if any: the prefilling

@@ -11,9 +11,13 @@ row cache writes each token's keys at its row's slot and position (``RowCache.pa
 
 Only attention needs rows apart (``_packed_attention``, a wrapper around the model's own
 implementation: sdpa, eager or the batch-invariant one). A step's new tokens are gathered into
-padded grids ``[rows, h, w, d]`` (all rows up to a width; a row feeding many more tokens than
-the rest gets a second grid with its keys gathered), each row attending to its own keys through
-a per-row mask, and scattered back. A joining request's prompt segment is attended on its own,
+padded grids ``[rows, h, w, d]``, each row attending to its own keys through a per-row mask,
+and scattered back. Rows are grouped by their keys first (``_length_groups``: a row whose keys
+are more than twice another's, plus ``LENGTH_SLACK``, goes to another grid), so short rows do
+not attend over a long document's padded positions, nor pay for a row that feeds nothing this
+step (one waiting for its next prompt chunk); within a group, a row feeding many more tokens
+than the rest gets a second grid. A grid over some rows gathers their keys; one over every row
+reads the cache's views. A joining request's prompt segment is attended on its own,
 with the very call its own first pass makes (its keys only, the mask that pass builds), so its
 prompt rows come out as they would alone. Padded grid cells are the one place padding remains.
 """
@@ -53,7 +57,7 @@ class Grid:
     new tokens it holds; ``tokens`` the packed indices of its tokens, ``scatter`` their places
     in the block (``row * width + col``), ``gather`` the block's packed indices (padding points
     at one of its tokens, the result is dropped), ``mask`` ``[rows, 1, width, keys]``: each query
-    sees its own row's keys up to its own position."""
+    sees its own row's keys up to its own position; ``keys`` the key positions its rows span."""
 
     slots: torch.Tensor | None
     width: int
@@ -62,12 +66,13 @@ class Grid:
     scatter: torch.Tensor
     gather: torch.Tensor
     mask: torch.Tensor
+    keys: int = 0
 
     def to(self, device: torch.device) -> "Grid":
         """The same on ``device``."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Grid(move(self.slots), self.width, self.offset, move(self.tokens), move(self.scatter), move(self.gather),
-                    move(self.mask))
+                    move(self.mask), self.keys)
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,21 @@ class PackedRows:
 #: (a row's float64 keys and values are ~1 MB at 350 positions here; a padded query row attends
 #: over them with ~0.8 MFLOP).
 KEY_COPY_ROWS = 4
+#: Rows whose keys are at most twice the shortest's plus this many share a grid
+#: (``_length_groups``): below it a second grid's call and key gathers cost more than the padding.
+LENGTH_SLACK = 256
+
+
+def _length_groups(bases: list[int]) -> list[list[int]]:
+    """Rows grouped by their key lengths ``bases``: in increasing order, a row joins the current
+    group while its keys are at most twice the group's first row's plus ``LENGTH_SLACK``."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(bases)), key=lambda i: bases[i]):
+        if groups and bases[i] <= 2 * bases[groups[-1][0]] + LENGTH_SLACK:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
 
 
 def _split_width(counts: list[int]) -> int:
@@ -137,27 +157,42 @@ def pack_rows(lengths: torch.Tensor, counts: list[int], prompt_counts: list[int]
     positions = lengths[rows] + cols
     bases = lengths + torch.tensor(prompt_counts, dtype=torch.long)  # each row's first new position
     key_length = int(bases.max()) + widest
-    split = _split_width(counts)
-    spans = [(0, split)] + ([(split, widest)] if split < widest else [])
-    grids = []
-    for lo, hi in spans:
-        slots = [i for i in range(b) if counts[i] > lo] if lo else list(range(b))
-        width = hi - lo
-        tokens, places = [], []
-        for g, i in enumerate(slots):
-            for t in range(lo, min(counts[i], hi)):
-                tokens.append(starts[i] + prompt_counts[i] + t)
-                places.append(g * width + t - lo)
-        tokens_t, scatter = torch.tensor(tokens, dtype=torch.long), torch.tensor(places, dtype=torch.long)
-        gather = torch.full((len(slots) * width,), tokens[0] if tokens else 0, dtype=torch.long)
-        gather[scatter] = tokens_t
-        query_pos = bases[slots][:, None] + lo + torch.arange(width)
-        mask = (torch.arange(key_length)[None, None, :] <= query_pos[:, :, None])[:, None]
-        if additive:
-            mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-        grids.append(Grid(None if not lo else torch.tensor(slots, dtype=torch.long), width, lo, tokens_t, scatter, gather, mask))
+    groups = _length_groups(bases.tolist())
+    if len(groups) > 1:  # rows feeding nothing need no grid once the grids gather their rows anyway
+        groups = [g for g in ([i for i in group if counts[i]] for group in groups) if g]
+    grids = [_grid(group, b, counts, starts, prompt_counts, bases, lo, hi, additive)
+             for group in groups or [list(range(b))] for lo, hi in _spans([counts[i] for i in group])]
     prompts = tuple(PromptSegment(i, starts[i], prompt_counts[i], int(lengths[i]), fed[i]) for i in range(b) if prompt_counts[i])
     return PackedRows(rows, positions, starts[:-1], b, key_length, tuple(grids), prompts)
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int]]:
+    """The column spans of a group's grids: one up to the split width, and one past it if any."""
+    widest = max(max(counts, default=0), 1)
+    split = _split_width(counts) if counts else widest
+    return [(0, split)] + ([(split, widest)] if split < widest else [])
+
+
+def _grid(group: list[int], b: int, counts: list[int], starts: list[int], prompt_counts: list[int],
+          bases: torch.Tensor, lo: int, hi: int, additive: bool) -> Grid:
+    """The grid of columns ``lo .. hi - 1`` of the new tokens of rows ``group``."""
+    slots = [i for i in group if counts[i] > lo] if lo else group
+    width = hi - lo
+    tokens, places = [], []
+    for g, i in enumerate(slots):
+        for t in range(lo, min(counts[i], hi)):
+            tokens.append(starts[i] + prompt_counts[i] + t)
+            places.append(g * width + t - lo)
+    tokens_t, scatter = torch.tensor(tokens, dtype=torch.long), torch.tensor(places, dtype=torch.long)
+    gather = torch.full((len(slots) * width,), tokens[0] if tokens else 0, dtype=torch.long)
+    gather[scatter] = tokens_t
+    keys = int(bases[slots].max()) + hi if slots else 0
+    query_pos = bases[slots][:, None] + lo + torch.arange(width)
+    mask = (torch.arange(keys)[None, None, :] <= query_pos[:, :, None])[:, None]
+    if additive:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    every = slots == list(range(b))
+    return Grid(None if every else torch.tensor(slots, dtype=torch.long), width, lo, tokens_t, scatter, gather, mask, keys)
 
 
 def prompt_mask(segment: PromptSegment, additive: bool, dtype: torch.dtype) -> torch.Tensor | None:
@@ -200,7 +235,9 @@ def _packed_attention(base: str) -> Any:
         for grid in packing.grids:
             if not grid.tokens.numel():  # no row feeds new tokens (a prompt chunk alone)
                 continue
-            k, v = (key, value) if grid.slots is None else (key.index_select(0, grid.slots), value.index_select(0, grid.slots))
+            k, v = key[:, :, : grid.keys], value[:, :, : grid.keys]
+            if grid.slots is not None:
+                k, v = k.index_select(0, grid.slots), v.index_select(0, grid.slots)
             rows = k.shape[0]
             q = query[0].index_select(1, grid.gather).view(heads, rows, grid.width, dim).transpose(0, 1)
             got, _ = fn(module, q, k, v, grid.mask, **kwargs)  # [rows, w, h, d]

@@ -9,9 +9,12 @@ its length: the rejected draft positions are simply overwritten by a later step,
 back independently at no cost. Active rows always occupy slots ``0 .. active - 1``: a finished
 row's slot is refilled by moving the last active row into it (a copy of one row's positions),
 so a forward reads views of the buffers, never a gather. Capacity grows by doubling with the
-longest row, up to the model's context; memory is ``slots x capacity x bytes_per_token``, where
-``bytes_per_token`` is ``2 x layers x kv_heads x head_dim x dtype size`` (SmolLM2-135M in
-float32: 46 KiB).
+longest row, up to the model's context, and slots are allocated as rows arrive (doubling too);
+memory is ``allocated slots x capacity x bytes_per_token``, where ``bytes_per_token`` is
+``2 x layers x kv_heads x head_dim x dtype size`` (SmolLM2-135M in float32: 46 KiB, in float64
+92 KiB). When rows leave, ``release`` gives memory back: all of it once no row is active, and
+buffers sized to the rows left once they would be a quarter of what is held, so a long
+document's row does not keep its capacity for every later row.
 
 transformers' continuous-batching ``PagedAttentionCache`` could hold this too (a caller-supplied
 length per request makes rollback free there as well), but its packed layout gathers every
@@ -50,8 +53,10 @@ class RowCache(Cache):
         self.num_layers = num_layers
         self.slots = slots
         self.max_capacity = max_capacity
-        self.capacity = min(capacity, max_capacity)
+        self.initial_capacity = self.capacity = min(capacity, max_capacity)
         self.dtype = dtype
+        #: Slots the buffers have room for now (grown as rows arrive, up to ``slots``).
+        self.allocated_slots = 1
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.active = 0
         #: The layout of the step under way (set by the engine around each forward).
@@ -69,10 +74,12 @@ class RowCache(Cache):
         if packing is None:
             raise RuntimeError("RowCache.update outside a packed step (set RowCache.packing first)")
         _, heads, _, dim = key_states.shape
+        if packing.batch > self.allocated_slots:  # rows placed without add_row (tests)
+            self._resize(min(_doubled(self.allocated_slots, packing.batch), self.slots), self.capacity)
         if self.dtype is not None:
             key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         if self.keys[layer_idx] is None:
-            shape = (self.slots, heads, self.capacity, dim)
+            shape = (self.allocated_slots, heads, self.capacity, dim)
             self.keys[layer_idx] = key_states.new_zeros(shape)  # zeros: stale slots stay finite
             self.values[layer_idx] = value_states.new_zeros(shape)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
@@ -94,19 +101,35 @@ class RowCache(Cache):
         """Make room for ``positions`` per row (doubling the capacity as needed)."""
         if positions > self.max_capacity:
             raise ValueError(f"A row needs {positions} positions; the model's context holds {self.max_capacity}.")
-        if positions <= self.capacity:
-            return
-        new = self.capacity
-        while new < positions:
-            new *= 2
-        new = min(new, self.max_capacity)
+        if positions > self.capacity:
+            self._resize(self.allocated_slots, min(_doubled(self.capacity, positions), self.max_capacity))
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        """Buffers of ``slots x capacity`` holding what the active rows hold."""
+        rows, keep = min(self.active, slots), min(self.capacity, capacity)
         for store in (self.keys, self.values):
             for i, buf in enumerate(store):
                 if buf is not None:
-                    grown = buf.new_zeros(buf.shape[0], buf.shape[1], new, buf.shape[3])
-                    grown[:, :, : self.capacity] = buf
-                    store[i] = grown
-        self.capacity = new
+                    resized = buf.new_zeros(slots, buf.shape[1], capacity, buf.shape[3])
+                    resized[:rows, :, :keep] = buf[:rows, :, :keep]
+                    store[i] = resized
+        self.allocated_slots, self.capacity = slots, capacity
+
+    def release(self) -> None:
+        """Give back what the rows no longer need (see the module docstring)."""
+        if not self.active:
+            if any(b is not None for b in self.keys):
+                self.keys = [None] * self.num_layers
+                self.values = [None] * self.num_layers
+                _trim_heap()
+            self.allocated_slots, self.capacity = 1, self.initial_capacity
+            return
+        longest = int(self.lengths[: self.active].max())
+        slots = min(_doubled(1, self.active), self.slots)
+        capacity = min(_doubled(self.initial_capacity, longest), self.max_capacity)
+        if 4 * slots * capacity <= self.allocated_slots * self.capacity:
+            self._resize(slots, capacity)
+            _trim_heap()
 
     def add_row(self, cache: DynamicCache) -> int:
         """Take a request's single-row cache (its shared prefix, or nothing) into the next free slot."""
@@ -114,13 +137,15 @@ class RowCache(Cache):
             raise RuntimeError("RowCache is full")
         slot = self.active
         length = cache.get_seq_length()
+        if slot >= self.allocated_slots:
+            self._resize(min(_doubled(self.allocated_slots, slot + 1), self.slots), self.capacity)
         self.reserve(length)
         for i, layer in enumerate(cache.layers if length else ()):
             k, v = layer.keys, layer.values
             if self.dtype is not None:
                 k, v = k.to(self.dtype), v.to(self.dtype)
             if self.keys[i] is None:
-                shape = (self.slots, k.shape[1], self.capacity, k.shape[3])
+                shape = (self.allocated_slots, k.shape[1], self.capacity, k.shape[3])
                 self.keys[i], self.values[i] = k.new_zeros(shape), v.new_zeros(shape)
             self.keys[i][slot, :, :length] = k[0]
             self.values[i][slot, :, :length] = v[0]
@@ -138,7 +163,7 @@ class RowCache(Cache):
             if self.dtype is not None:
                 k, v = k.to(self.dtype), v.to(self.dtype)
             if self.keys[i] is None:
-                shape = (self.slots, k.shape[0], self.capacity, k.shape[2])
+                shape = (self.allocated_slots, k.shape[0], self.capacity, k.shape[2])
                 self.keys[i], self.values[i] = k.new_zeros(shape), v.new_zeros(shape)
             self.keys[i][slot, :, start : start + n] = k
             self.values[i][slot, :, start : start + n] = v
@@ -178,3 +203,23 @@ class RowCache(Cache):
     def allocated_bytes(self) -> int:
         """Bytes held by the buffers now."""
         return sum(b.numel() * b.element_size() for store in (self.keys, self.values) for b in store if b is not None)
+
+
+def _doubled(start: int, at_least: int) -> int:
+    """``start`` doubled until it is at least ``at_least``."""
+    n = max(start, 1)
+    while n < at_least:
+        n *= 2
+    return n
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the operating system (glibc keeps freed blocks under its
+    mmap threshold, which grows to 32 MB as large blocks are freed: a long row's buffers would
+    stay in the process's memory otherwise). A no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -12,8 +12,8 @@ prefill where it can still be selected (``prefill_chunk=0``: a prompt fed in one
   document first in the prompt: each one's seconds, the second and third reading the document's
   blocks from the prefix cache (against the same three with the cache off).
 
-The document is the package's people and extraction documents joined (and repeated) to the
-asked length: realistic text, and every output is checked against its schema.
+The document is the package's 64 people documents joined (and repeated) to the asked length:
+real sentences, though a repeated list; every output is checked against its schema.
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ class Job(BaseModel):
 
 
 def long_document(tokenizer: Any, tokens: int) -> str:
-    """The shipped documents joined, repeated as needed, cut to about ``tokens`` tokens."""
-    texts = [json.loads(line)["text"] for name in ("people.jsonl", "extraction.jsonl")
-             for line in (DATA / name).read_text().splitlines() if line.strip()]
+    """The shipped people documents joined, repeated as needed, cut to about ``tokens`` tokens."""
+    texts = [json.loads(line)["text"] for line in (DATA / "people.jsonl").read_text().splitlines() if line.strip()]
     parts: list[str] = []
     while len(tokenizer(" ".join(parts))["input_ids"]) < tokens:
         parts.extend(texts)
@@ -109,15 +108,15 @@ class LongPromptRow:
 
 
 def _submit(engine: Any, handle: Any, schema: type[BaseModel], prompt: str) -> Any:
-    from ..api import encode_prompt
+    """Queue one extraction request as ``extract`` and the server do (default options, greedy)."""
+    from ..api import prepare_request
     from ..constraint import compile_constraint
-    from ..drafters import build_drafter
-    from ..decoding import AdaptiveK
+    from ..decoding import SpecOptions
 
-    compiled = compile_constraint(schema, handle.tokenizer)
-    m = compiled.matcher()
-    req = engine.submit(encode_prompt(handle, prompt), m, drafter=build_drafter("auto", m, handle.tokenizer),
-                        k_policy=AdaptiveK(), max_new_tokens=96)
+    opts = SpecOptions(max_new_tokens=96)
+    parts = prepare_request(handle, None, compile_constraint(schema, handle.tokenizer), prompt, opts, "json")
+    req = engine.submit(parts.prompt_ids, parts.matcher, drafter=parts.drafter, k_policy=parts.k_policy,
+                        max_new_tokens=opts.max_new_tokens, prefix_len=parts.prefix_len)
     req.schema = schema  # type: ignore[attr-defined]
     return req
 

@@ -99,7 +99,10 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
 
     app = FastAPI(title="constrained-spec", lifespan=lifespan)
     metrics = ServerMetrics(queue_depth=lambda: state["worker"].waiting if "worker" in state else 0,
-                            decoding=lambda: len(state["worker"].engine.active) if "worker" in state else 0)
+                            decoding=lambda: len(state["worker"].engine.active) if "worker" in state else 0,
+                            kv_bytes=lambda: state["worker"].engine.cache.allocated_bytes if "worker" in state else 0,
+                            prefix_bytes=lambda: (state["worker"].engine.prefix_cache.bytes
+                                                  if "worker" in state and state["worker"].engine.prefix_cache else 0))
     compiled_cache: ByteBoundedLRU[_Compiled] = ByteBoundedLRU(cfg.constraint_cache_bytes, _Compiled.nbytes)
     model_ids = {handle.name, "default"}
 

@@ -14,10 +14,11 @@ _TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 class ServerMetrics:
     """Requests by endpoint and status, output tokens, target forwards, drafted and accepted
-    tokens by drafter kind, queue depth and rows decoding, and latency histograms (whole request,
+    tokens by drafter kind, queue depth, rows decoding, KV and prefix-cache bytes, and latency histograms (whole request,
     time to first token, time per output token after the first)."""
 
-    def __init__(self, queue_depth: Callable[[], float], decoding: Callable[[], float]) -> None:
+    def __init__(self, queue_depth: Callable[[], float], decoding: Callable[[], float],
+                 kv_bytes: Callable[[], float] = lambda: 0.0, prefix_bytes: Callable[[], float] = lambda: 0.0) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("constrained_spec_requests", "Requests answered, by endpoint and HTTP status.",
                                 ["endpoint", "status"], registry=r)
@@ -31,6 +32,10 @@ class ServerMetrics:
                                 registry=r)
         Gauge("constrained_spec_queue_depth", "Requests waiting for a slot.", registry=r).set_function(queue_depth)
         Gauge("constrained_spec_rows_decoding", "Requests decoding now.", registry=r).set_function(decoding)
+        Gauge("constrained_spec_kv_cache_bytes", "Bytes the batch engine's KV cache holds now.",
+              registry=r).set_function(kv_bytes)
+        Gauge("constrained_spec_prefix_cache_bytes", "Bytes the prefix cache's prompt blocks hold now.",
+              registry=r).set_function(prefix_bytes)
         self.latency = Histogram("constrained_spec_request_seconds", "Whole-request latency.",
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("constrained_spec_time_to_first_token_seconds", "Time to the first output token.",
