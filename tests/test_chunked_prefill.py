@@ -52,11 +52,11 @@ def test_prompt_chunks_cut_at_fixed_absolute_positions():
     assert prompt_chunks([]) == [] and [(c.start, c.end) for c in prompt_chunks(tokens[:8], prefix_len=8)] == [(0, 8)]
 
 
-def _reference(smol, compiled, prompt, cache=None):
+def _reference(smol, compiled, prompt, cache=None, prefix_len=None):
     """A request alone: its first step's tokens, logits, and every fed position's keys; then its output."""
     m = compiled.matcher()
     dec = SpeculativeDecoder(smol.model, m, prompt, drafter=build_drafter("auto", m, smol.tokenizer),
-                             k_policy=FixedK(6), max_new_tokens=24, prefix_cache=cache)
+                             k_policy=FixedK(6), max_new_tokens=24, prefix_cache=cache, prefix_len=prefix_len)
     dec.begin()
     plan = dec.plan()
     logits = dec._forward(plan.tokens, plan.rows, plan.first, plan.subsets, plan.chunks)
@@ -64,46 +64,48 @@ def _reference(smol, compiled, prompt, cache=None):
     keys = [layer.keys[0].clone() for layer in dec.cache.layers]
     m2 = compiled.matcher()
     out = decode(smol.model, m2, prompt, drafter=build_drafter("auto", m2, smol.tokenizer), k_policy=FixedK(6),
-                 max_new_tokens=24)
+                 max_new_tokens=24, prefix_len=prefix_len)
     return plan, logits, keys, out.tokens
 
 
 def test_a_long_prompt_is_fed_chunk_by_chunk_beside_decoding_rows(smol, small_chunks, monkeypatch):
-    """A short request decodes while a long one joins: the long prompt is fed one chunk per step
-    at most, the short row keeps stepping meanwhile, and the long row's keys equal its own first
-    pass bit for bit (its outputs too, and the short one's)."""
+    """A long request, then a short one with a shared prefix of its own: the short prompt's
+    chunk goes first (least prompt left), the long prompt is fed one chunk per step at most, the
+    short row keeps stepping meanwhile, and the long row's keys equal its own first pass bit for
+    bit (its outputs too, and the short one's)."""
     compiled = compile_constraint(ROOT / "schemas" / "person.json", smol.tokenizer)
     long_prompt = _long_prompts(smol.tokenizer, 1)[0]
-    short_prompt = smol.tokenizer("Name: Ada Lovelace, 36, London, mathematician.")["input_ids"]
+    short_prompt = smol.tokenizer(SHARED + "Ada Lovelace, 36, London, mathematician.")["input_ids"][-40:]
     assert len(long_prompt) > 4 * CHUNK and len(short_prompt) < CHUNK
     plan, logits, keys, long_tokens = _reference(smol, compiled, long_prompt)
-    short_tokens = _reference(smol, compiled, short_prompt)[3]
+    short_tokens = _reference(smol, compiled, short_prompt, prefix_len=16)[3]
 
     engine = BatchEngine(smol.model, max_batch=2, prefix_cache=PrefixCache())
     captured = {}
     finish = SpeculativeDecoder.finish
 
     def spy(self, p, lg, seconds, prompt_seconds=None):
-        if p.first and self is reqs[1].decoder:
-            n = int(engine.cache.lengths[reqs[1].slot]) + len(p.tokens)
-            captured.update(tokens=p.tokens, logits=lg.clone(), keys=[k[reqs[1].slot, :, :n].clone() for k in engine.cache.keys])
+        if p.first and self is reqs[0].decoder:
+            n = int(engine.cache.lengths[reqs[0].slot]) + len(p.tokens)
+            captured.update(tokens=p.tokens, logits=lg.clone(), keys=[k[reqs[0].slot, :, :n].clone() for k in engine.cache.keys])
         return finish(self, p, lg, seconds, prompt_seconds)
 
     monkeypatch.setattr(SpeculativeDecoder, "finish", spy)
     reqs = []
-    for prompt in (short_prompt, long_prompt):
+    for prompt, prefix_len in ((long_prompt, None), (short_prompt, 16)):
         m = compiled.matcher()
         reqs.append(engine.submit(prompt, m, drafter=build_drafter("auto", m, smol.tokenizer), k_policy=FixedK(6),
-                                  max_new_tokens=24))
+                                  max_new_tokens=24, prefix_len=prefix_len))
     short_steps_while_prefilling = 0
     while engine.busy:
-        before = len(reqs[0].decoder.output)
+        before = len(reqs[1].decoder.output)
         engine.step()
-        if reqs[1].decoder.prompt_chunks and len(reqs[0].decoder.output) > before:
+        if reqs[0].decoder.prompt_chunks and len(reqs[1].decoder.output) > before:
             short_steps_while_prefilling += 1
-    assert max(engine.step_chunk_tokens) == CHUNK and sum(engine.step_chunk_tokens) == plan.chunks[-1].start
+    assert engine.step_chunk_tokens[0] == 16  # the short prompt's chunk first, alone (16 + 64 > 64)
+    assert max(engine.step_chunk_tokens) == CHUNK and sum(engine.step_chunk_tokens) == plan.chunks[-1].start + 16
     assert short_steps_while_prefilling >= 2  # the short row was not held until the long prompt was in
-    assert [r.result.tokens for r in reqs] == [short_tokens, long_tokens]
+    assert [r.result.tokens for r in reqs] == [long_tokens, short_tokens]
     assert captured["tokens"] == plan.tokens[len(plan.tokens) - len(captured["tokens"]):]
     assert len(captured["keys"][0][0]) == len(keys[0][0])
     assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(captured["keys"], keys)), "chunked keys differ"

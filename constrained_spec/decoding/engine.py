@@ -41,6 +41,7 @@ from .decoder import SpeculativeDecoder, StepPlan, tap_features
 from .kpolicy import KPolicy
 from .logits import forward_logits, supports_subsets
 from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
+from . import prefix
 from .prefix import Chunk, PrefixCache, prefix_cache_for, store_blocks
 from .profiles import detect_profile
 from .rowcache import RowCache
@@ -112,7 +113,7 @@ class BatchEngine:
         self.cost = BatchCost(*batch_cost_prior(profile or detect_profile(), precision))
         #: Tokens fed by each batched step (rows plus kept drafts), for figures and tests.
         self.step_tokens: list[int] = []
-        #: Prompt-chunk tokens fed by each batched step (0 or one chunk), for figures and tests.
+        #: Prompt-chunk tokens fed by each batched step (at most ``PREFILL_CHUNK``), for figures and tests.
         self.step_chunk_tokens: list[int] = []
         # Seconds of steps the prefilling rows are owed (their share of the steps) less those
         # their chunks took (``_prefill_turn``).
@@ -216,21 +217,32 @@ class BatchEngine:
         if released:
             self.cache.release()  # a long row's memory goes back when it leaves (decoding.rowcache)
 
-    def _prefill_turn(self) -> int | None:
-        """The slot of the row whose next prompt chunk this step feeds, if any: the prefilling
-        row that joined first, each step while no row decodes, else when the steps' share owed
-        to the prefilling rows (their number over the rows', of each step's time) has caught up
-        with the time their chunks took. A chunk costs what hundreds of decode tokens cost here,
-        so fed every step it would slow every decoding row's step that much."""
+    def _prefill_turn(self) -> dict[int, Chunk]:
+        """The prompt chunks this step feeds, by slot: the next chunk of prefilling rows, the
+        row with the least prompt left first, as many as fit in ``PREFILL_CHUNK`` tokens (one at
+        least), a block that several rows start with fed by one of them. Fed every step while no row decodes; else only once the steps' share owed to the
+        prefilling rows (their number over the rows', of each step's time) has caught up with
+        the time their chunks took: a chunk costs what hundreds of decode tokens cost here, so
+        fed every step it would slow every decoding row's step that much."""
         waiting = [i for i, r in enumerate(self.active) if r.decoder.prompt_chunks and r.error is None]
         if not waiting:
             self._prefill_credit = 0.0
-            return None
+            return {}
         if len(waiting) == len(self.active):
             self._prefill_credit = 0.0  # nobody else to be fair to
         elif self._prefill_credit < 0:
-            return None
-        return min(waiting, key=lambda i: self.active[i].id)
+            return {}
+        left = {i: len(self.active[i].decoder.prompt_ids) - self.active[i].decoder.prompt_chunks[0].start for i in waiting}
+        budget = prefix.PREFILL_CHUNK if self.prefill_chunk is None else max(self.prefill_chunk, 1)
+        turn: dict[int, Chunk] = {}
+        for i in sorted(waiting, key=lambda i: (left[i], self.active[i].id)):
+            chunk = self.active[i].decoder.prompt_chunks[0]
+            if chunk.key is not None and any(c.key == chunk.key for c in turn.values()):
+                continue  # another row feeds this very block now: copy it next step (``_catch_up``)
+            if turn and sum(c.length for c in turn.values()) + chunk.length > budget:
+                break
+            turn[i] = chunk
+        return turn
 
     @torch.no_grad()
     def _batched_step(self) -> None:
@@ -248,24 +260,24 @@ class BatchEngine:
                 req.error = e
                 plans.append(None)
         feeding = self._prefill_turn()
-        chunk = self.active[feeding].decoder.prompt_chunks[0] if feeding is not None else None
+        chunk_tokens = sum(c.length for c in feeding.values())
         live = [(i, p) for i, p in enumerate(plans) if p is not None]
-        if not live and chunk is None:
+        if not live and not feeding:
             return
         b = len(self.active)
-        live = self._budget(live, chunk.length if chunk is not None else 0)
+        live = self._budget(live, chunk_tokens)
         counts, prompts = [0] * b, [0] * b
         for i, p in live:
             counts[i], prompts[i] = len(p.tokens) - p.first, p.first
-        if chunk is not None:
-            prompts[feeding] = chunk.length
+        for i, c in feeding.items():
+            prompts[i] = c.length
         packing = pack_rows(self.cache.lengths, counts, prompts, additive=self._additive_mask)
         self.step_tokens.append(packing.tokens)
-        self.step_chunk_tokens.append(chunk.length if chunk is not None else 0)
+        self.step_chunk_tokens.append(chunk_tokens)
         self.cache.reserve(packing.key_length)
         fed = {i: p.tokens for i, p in live}
-        if chunk is not None:
-            fed[feeding] = self.active[feeding].decoder.prompt_ids[chunk.start : chunk.end]
+        for i, c in feeding.items():
+            fed[i] = self.active[i].decoder.prompt_ids[c.start : c.end]
         ids = torch.tensor([t for i in sorted(fed) for t in fed[i]], dtype=torch.long)
         needed = [packing.starts[i] + r for i, p in live for r in p.rows]  # packed indices whose logits are read
         self.cache.active = b
@@ -295,12 +307,12 @@ class BatchEngine:
             self.cache.packing = None
         seconds = time.perf_counter() - t0
         self.batch_forwards += 1
-        if chunk is None:  # a chunk's rows take the dense prompt path: another cost per token
+        if not feeding:  # a chunk's rows take the dense prompt path: another cost per token
             self.cost.add(packing.tokens, seconds)
-        else:
-            self._fed_chunk(feeding, chunk, seconds * chunk.length / packing.tokens)
-        if feeding is not None or any(r.decoder.prompt_chunks for r in self.active):
-            share = sum(bool(r.decoder.prompt_chunks) or i == feeding for i, r in enumerate(self.active)) / b
+        for i, c in feeding.items():
+            self._fed_chunk(i, c, seconds * c.length / packing.tokens)
+        if feeding or any(r.decoder.prompt_chunks for r in self.active):
+            share = sum(bool(r.decoder.prompt_chunks) or i in feeding for i, r in enumerate(self.active)) / b
             self._prefill_credit = min(self._prefill_credit + share * seconds, seconds)
         vocab = logits.shape[-1] if logits is not None else int(self.target.config.vocab_size)
         dtype = logits.dtype if logits is not None else torch.float32

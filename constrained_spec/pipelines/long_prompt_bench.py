@@ -149,7 +149,7 @@ def run_long_prompt_bench(tokens: int = 3900, short: int = 4, arrival: float = 1
         outcomes: list[Any] = []
 
         # 1. Alone, with memory.
-        engine = BatchEngine(handle.model, max_batch=16, precision=handle.precision, prefix_cache=False,
+        engine = BatchEngine(handle.model, max_batch=16, precision=handle.precision, prefix_cache=PrefixCache(),
                              prefill_chunk=chunk)
         row.rss_idle_mib = _rss_mib()
         progress(f"{mode}: the long request alone")
@@ -165,6 +165,7 @@ def run_long_prompt_bench(tokens: int = 3900, short: int = 4, arrival: float = 1
 
         # 2. With short requests arriving ``arrival`` seconds after it.
         progress(f"{mode}: the long request with {short} short ones arriving {arrival:g} s after it")
+        engine.prefix_cache = PrefixCache()  # the server's default cache, but cold: nothing from the run alone
         t0 = time.perf_counter()
         long_req = _submit(engine, handle, Person, long_prompt)
         pending = list(shorts)
