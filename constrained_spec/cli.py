@@ -818,13 +818,17 @@ def _long_prompt_bench(tokens: int, json_out: Optional[Path]) -> None:
         table.add_column(r.mode, justify="right")
     lines = [
         ("resident memory idle / peak / after (MiB)", lambda r: f"{r.rss_idle_mib:.0f} / {r.rss_peak_mib:.0f} / {r.rss_after_mib:.0f}"),
-        ("growth during the request (MiB)", lambda r: f"{r.rss_peak_mib - r.rss_idle_mib:.0f}"),
+        ("growth during the request (MiB)", lambda r: f"{r.growth_mib:.0f}"),
         ("KV cache at its peak (MiB)", lambda r: f"{r.kv_peak_mib:.0f}"),
         ("long request alone (s)", lambda r: f"{r.long_alone_s:.1f}"),
         ("long request with short ones beside it (s)", lambda r: f"{r.long_with_short_s:.1f} ({r.long_with_short_s / r.long_alone_s:.2f}x)"),
         ("short requests arriving 1 s after it (s each)", lambda r: " ".join(f"{s:.1f}" for s in r.short_s)),
-        ("three schemas over the document (s each)", lambda r: " ".join(f"{s:.1f}" for s in r.reuse_s)),
+        ("three schemas over the document: seconds each (output tokens)",
+         lambda r: " ".join(f"{s:.1f} ({n})" for s, n in zip(r.reuse_s, r.reuse_tokens))),
         ("second and third against the first", lambda r: " ".join(f"{r.reuse_s[0] / s:.1f}x" for s in r.reuse_s[1:])),
+        ("their time to the first token (s)", lambda r: " ".join(f"{s:.1f}" for s in r.reuse_first_token_s)),
+        ("second and third against the first, to the first token",
+         lambda r: " ".join(f"{r.reuse_first_token_s[0] / s:.1f}x" for s in r.reuse_first_token_s[1:])),
         ("valid outputs", lambda r: f"{r.valid}/{r.outputs}"),
     ]
     for name, cell in lines:

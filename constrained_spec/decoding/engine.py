@@ -10,17 +10,17 @@ runs. Target-only batched decoding is the same engine with K = 0.
 
 A joining request's leading prompt blocks come from the prefix cache where it holds them; its
 other prompt chunks (``decoding.prefix``: fixed absolute cuts every ``PREFILL_CHUNK`` tokens)
-are fed one per step beside the other rows' decode steps, so a long document never holds the
-batch for more than one chunk, and only as often as the prefilling rows' share of the steps
-allows (``_prefill_turn``); its last chunk rides in its first batched step with its first draft
-after it, as its own first step would feed it. Each chunk is computed as the request's own first
-forward computes it, so its keys are the same bit for bit and are kept as blocks for later
-prompts that start the same way. Its prompt rows are attended and
-normalized per segment with the kernels its own first pass uses (``decoding.packing``), so
-with a batch-invariant model (native precision, GPUs; see ``models.invariant``) each row's
-keys are bit for bit those of that request alone (tested; its logits up to the output
-projection's float32 rounding), and its greedy tokens equal its single-request tokens; in float64 they agree too (tested); a float32 model on the
-CPU rounds a batched row differently by ~1e-5, which can flip an exact near-tie.
+are fed beside the other rows' decode steps, at most one chunk's tokens a step and only as
+often as the prefilling rows' share of the steps allows (``_prefill_turn``), so a long document
+never holds the batch for more than one chunk; its last chunk rides in its first batched step
+with its first draft after it, as its own first step would feed it. Its prompt rows are
+attended and normalized per chunk with the kernels its own first pass uses
+(``decoding.packing``), so with a batch-invariant model (native precision, GPUs; see
+``models.invariant``) each row's keys are bit for bit those of that request alone (tested; its
+logits up to the output projection's float32 rounding), its greedy tokens equal its
+single-request tokens, and every chunk ending at a cut is kept as a block for later prompts
+that start the same way; in float64 they agree too (tested); a float32 model on the CPU rounds
+a batched row differently by ~1e-5, which can flip an exact near-tie.
 """
 
 from __future__ import annotations
@@ -113,6 +113,8 @@ class BatchEngine:
         self.cost = BatchCost(*batch_cost_prior(profile or detect_profile(), precision))
         #: Tokens fed by each batched step (rows plus kept drafts), for figures and tests.
         self.step_tokens: list[int] = []
+        #: The most bytes the row cache held at the end of a step (it gives memory back as rows leave).
+        self.peak_kv_bytes = 0
         #: Prompt-chunk tokens fed by each batched step (at most ``PREFILL_CHUNK``), for figures and tests.
         self.step_chunk_tokens: list[int] = []
         # Seconds of steps the prefilling rows are owed (their share of the steps) less those
@@ -165,6 +167,7 @@ class BatchEngine:
             self._admit(self.waiting.pop(0), finished)
         if self.active:
             self._batched_step()
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self.cache.allocated_bytes)
             self._retire(finished)
         return finished
 
@@ -219,11 +222,12 @@ class BatchEngine:
 
     def _prefill_turn(self) -> dict[int, Chunk]:
         """The prompt chunks this step feeds, by slot: the next chunk of prefilling rows, the
-        row with the least prompt left first, as many as fit in ``PREFILL_CHUNK`` tokens (one at
-        least), a block that several rows start with fed by one of them. Fed every step while no row decodes; else only once the steps' share owed to the
-        prefilling rows (their number over the rows', of each step's time) has caught up with
-        the time their chunks took: a chunk costs what hundreds of decode tokens cost here, so
-        fed every step it would slow every decoding row's step that much."""
+        row with the least prompt left first (a short request is not held behind a document),
+        as many as fit in one chunk's tokens (one at least), a block that several rows start
+        with fed by one of them. Fed every step while no row decodes; else only once the steps'
+        share owed to the prefilling rows (their number over the rows', of each step's time)
+        has caught up with the time their chunks took: a chunk costs what hundreds of decode
+        tokens cost here, so fed every step it would slow every decoding row's step that much."""
         waiting = [i for i, r in enumerate(self.active) if r.decoder.prompt_chunks and r.error is None]
         if not waiting:
             self._prefill_credit = 0.0

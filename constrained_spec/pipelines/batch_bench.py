@@ -161,7 +161,7 @@ def run_batch_sweep(batch_sizes: list[int], *, model: Any = None, documents: Pat
                                    max_new_tokens=max_new_tokens))
             seconds = time.perf_counter() - start
         kv = None if engine is None else round(
-            (engine.cache.allocated_bytes + (prefixes.bytes if config.prefix_cache else 0)) / 2**20, 1)
+            (engine.peak_kv_bytes + (prefixes.bytes if config.prefix_cache else 0)) / 2**20, 1)
         row = _row(config, results, seconds, forwards[0], kv, reference, docs)
         if reference is None:
             reference = [r.to_record().get("value") for r in results]

@@ -98,6 +98,8 @@ class LongPromptRow:
     long_with_short_s: float = 0.0
     short_s: list[float] = field(default_factory=list)
     reuse_s: list[float] = field(default_factory=list)
+    reuse_first_token_s: list[float] = field(default_factory=list)
+    reuse_tokens: list[int] = field(default_factory=list)
     valid: int = 0
     outputs: int = 0
 
@@ -106,8 +108,14 @@ class LongPromptRow:
         return {k: (round(v, 2) if isinstance(v, float) else [round(x, 2) for x in v] if isinstance(v, list) else v)
                 for k, v in self.__dict__.items()}
 
+    @property
+    def growth_mib(self) -> float:
+        """Resident memory the long request added at its peak."""
+        return self.rss_peak_mib - self.rss_idle_mib
 
-def _submit(engine: Any, handle: Any, schema: type[BaseModel], prompt: str) -> Any:
+
+def _submit(engine: Any, handle: Any, schema: type[BaseModel], prompt: str,
+            on_tokens: Callable[[list[int]], None] | None = None) -> Any:
     """Queue one extraction request as ``extract`` and the server do (default options, greedy)."""
     from ..api import prepare_request
     from ..constraint import compile_constraint
@@ -116,7 +124,7 @@ def _submit(engine: Any, handle: Any, schema: type[BaseModel], prompt: str) -> A
     opts = SpecOptions(max_new_tokens=96)
     parts = prepare_request(handle, None, compile_constraint(schema, handle.tokenizer), prompt, opts, "json")
     req = engine.submit(parts.prompt_ids, parts.matcher, drafter=parts.drafter, k_policy=parts.k_policy,
-                        max_new_tokens=opts.max_new_tokens, prefix_len=parts.prefix_len)
+                        max_new_tokens=opts.max_new_tokens, prefix_len=parts.prefix_len, on_tokens=on_tokens)
     req.schema = schema  # type: ignore[attr-defined]
     return req
 
@@ -191,10 +199,14 @@ def run_long_prompt_bench(tokens: int = 3900, short: int = 4, arrival: float = 1
                              prefix_cache=PrefixCache() if chunk is None else False, prefill_chunk=chunk)
         for schema in (Person, Contact, Job):
             prompt = DOCUMENT_FIRST_TEMPLATE.format(fields=describe_fields(schema.model_json_schema()), text=doc)
+            first: list[float] = []
             t0 = time.perf_counter()
-            req = _submit(engine, handle, schema, prompt)
+            req = _submit(engine, handle, schema, prompt,
+                          on_tokens=lambda _t, first=first, t0=t0: first or first.append(time.perf_counter() - t0))
             list(engine.run())
             row.reuse_s.append(time.perf_counter() - t0)
+            row.reuse_first_token_s.append(first[0] if first else row.reuse_s[-1])
+            row.reuse_tokens.append(len(req.result.tokens))
             outcomes.append(req)
         row.outputs = len(outcomes)
         row.valid = sum(_valid(handle, r) for r in outcomes)
