@@ -735,6 +735,7 @@ def serve_cmd(
     request_timeout: float = typer.Option(120.0, "--request-timeout", help="Seconds a request may take in all (504 past it)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM: seconds to finish the requests in flight."),
     constraint_cache_mb: float = typer.Option(64.0, "--constraint-cache-mb", help="MiB of compiled constraints kept (least recently used dropped)."),
+    kv_memory_mb: Optional[float] = typer.Option(None, "--kv-memory", help="MiB the KV cache may hold (default: a quarter of the machine's memory); a request waits for room, one that could never fit is a 400."),
     draft: Optional[str] = DraftOpt,
     drafter: str = DrafterOpt,
     profile: Optional[str] = ProfileOpt,
@@ -761,13 +762,14 @@ def serve_cmd(
         limit_malloc_arenas()  # before any thread: see serving.worker
 
         for name, value in (("--max-batch", max_batch), ("--max-queue", max_queue), ("--port", port),
-                            ("--constraint-cache-mb", constraint_cache_mb)):
+                            ("--constraint-cache-mb", constraint_cache_mb), ("--kv-memory", kv_memory_mb or 1)):
             if value < (0 if name in ("--max-queue", "--constraint-cache-mb") else 1):
                 raise InvalidOptionError(f"Invalid {name}: {value}.")
         options = SpecOptions(drafter=drafter, profile=profile)  # type: ignore[arg-type]
         handle = resolve_model(_model_arg(model, dtype, precision))
         config = ServerConfig(max_batch=max_batch, max_queue=max_queue, request_timeout=request_timeout,
-                              api_key=api_key or None, constraint_cache_bytes=int(constraint_cache_mb * (1 << 20)))
+                              api_key=api_key or None, constraint_cache_bytes=int(constraint_cache_mb * (1 << 20)),
+                              kv_memory=int(kv_memory_mb * (1 << 20)) if kv_memory_mb else None)
         set_cache_bytes(config.constraint_cache_bytes)  # the process-wide cache behind the app's own
         err.print(f"serving {handle.name} ({handle.precision}) on http://{host}:{port}/v1"
                   f"{' (API key required)' if api_key else ''}")

@@ -69,6 +69,10 @@ class DeadEndError(ConstrainedSpecError, RuntimeError):
         )
 
 
+class KVMemoryError(ConstrainedSpecError, ValueError):
+    """A request whose KV cache alone would exceed the batch engine's memory bound."""
+
+
 class ModelLoadError(ConstrainedSpecError, RuntimeError):
     """A model could not be loaded (missing package, bad path, bad argument)."""
 

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 import constrained_spec.decoding.decoder as decoder_mod
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
 from constrained_spec.decoding import FixedK, decode
+from constrained_spec.errors import InvalidOptionError
 from constrained_spec.decoding.engine import BatchEngine
 from constrained_spec.drafters import LookupDrafter, ModelDrafter
 from tests.conftest import tiny_llama
@@ -189,6 +190,37 @@ def test_a_long_row_gives_its_memory_back_when_it_leaves():
         cache.remove_row(slot)
     cache.release()
     assert cache.allocated_bytes == 0 and cache.capacity == 256
+
+
+def test_a_full_kv_bound_makes_requests_wait_and_one_that_never_fits_is_refused(smol_tokenizer, models, compiled):
+    """``kv_memory`` room for one row: three requests decode one at a time, the cache never holds
+    more than the bound, the outputs equal single requests'; a bound below one row refuses the
+    request at submit, naming the limit."""
+    from constrained_spec import KVMemoryError
+
+    target, _ = models
+    ids = smol_tokenizer(TEXT)["input_ids"]
+    one = BatchEngine(target).kv_bytes_alone(len(ids), 24)
+    engine = BatchEngine(target, max_batch=4, kv_memory=one)
+    reqs = []
+    for i in range(3):
+        m = compiled[SCHEMAS[i]].matcher()
+        reqs.append(engine.submit(ids, m, drafter=LookupDrafter(m), k_policy=FixedK(3), max_new_tokens=24))
+    most = 0
+    while engine.busy:
+        engine.step()
+        most = max(most, len(engine.active))
+    assert most == 1 and 0 < engine.peak_kv_bytes <= one
+    for i, r in enumerate(reqs):
+        m = compiled[SCHEMAS[i]].matcher()
+        assert r.result.tokens == decode(target, m, ids, drafter=LookupDrafter(m), k_policy=FixedK(3),
+                                         max_new_tokens=24).tokens
+    tight = BatchEngine(target, kv_memory=one - 1)
+    with pytest.raises(KVMemoryError, match=r"kv_memory of 0 MiB|more than this engine's kv_memory"):
+        tight.submit(ids, compiled[SCHEMAS[0]].matcher(), max_new_tokens=24)
+    assert not tight.busy
+    with pytest.raises(InvalidOptionError, match="kv_memory"):
+        BatchEngine(target, kv_memory=0)
 
 
 def test_row_cache_grows_by_doubling_within_the_context():

@@ -303,6 +303,23 @@ def test_a_draft_model_serves_the_model_drafter_with_identical_greedy_output(smo
         srv.stop()
 
 
+def test_a_request_that_could_never_fit_the_kv_memory_is_a_400_naming_it(smol):
+    """With --kv-memory below what one request needs, the request is refused before it queues,
+    with the figures and the option to change; a small one still runs."""
+    srv = _Server(create_app(smol, config=ServerConfig(max_batch=2, kv_memory=24 << 20)))  # 24 MiB: 256 positions
+    body = {"model": "default", "messages": [{"role": "user", "content": "Is water wet?"}],
+            "temperature": 0, "structured_outputs": {"regex": "(yes|no)"}}
+    try:
+        big = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 1000}, timeout=30)
+        assert big.status_code == 400, big.text
+        err = big.json()["error"]
+        assert err["code"] == "kv_memory_exceeded" and err["param"] == "max_tokens" and "--kv-memory" in err["message"]
+        ok = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 8}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    finally:
+        srv.stop()
+
+
 def test_a_non_streaming_client_that_goes_away_frees_its_row(smol):
     """600 digits take ~20 s here; the client gives up after 1 s and its row must be gone
     within a few seconds (the handler notices the disconnect and cancels it). The repetition

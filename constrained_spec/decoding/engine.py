@@ -34,7 +34,7 @@ import torch
 
 from ..constraint import Matcher
 from ..drafters import Drafter
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, KVMemoryError
 from ..models.threads import thread_governor
 from .budget import BatchCost, batch_cost_prior, choose_drafts
 from .decoder import SpeculativeDecoder, StepPlan, tap_features
@@ -44,8 +44,24 @@ from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
 from . import prefix
 from .prefix import Chunk, PrefixCache, prefix_cache_for, store_blocks
 from .profiles import detect_profile
-from .rowcache import RowCache
+from .rowcache import RowCache, _doubled
 from .stats import DecodeResult
+
+
+#: Positions a row may hold past its prompt and token limit: a step's drafts beyond its last token.
+DRAFT_MARGIN = 32
+
+
+def default_kv_memory() -> int:
+    """A quarter of the machine's memory (``/proc/meminfo``; 4 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 // 4
+    except OSError:
+        pass
+    return 4 * 2**30
 
 
 @dataclass(eq=False)
@@ -83,15 +99,22 @@ class BatchEngine:
             model's shared one, False for none, or a ``PrefixCache``.
         prefill_chunk: tokens per prompt chunk (None: ``PREFILL_CHUNK``; 0: every prompt fed
             in one step, as before chunked prefill).
+        kv_memory: bytes the row cache may hold (None: ``default_kv_memory()``, a quarter of the
+            machine's memory). A request joins only when the cache, sized for every row's prompt
+            and token limit, stays within it, and waits otherwise; one that cannot fit even alone
+            is refused at ``submit`` (``KVMemoryError``).
     """
 
     def __init__(self, target: Any, *, max_batch: int = 16, precision: str | None = None,
                  profile: str | None = None, prefix_cache: PrefixCache | bool = True,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, kv_memory: int | None = None) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise InvalidOptionError(f"Invalid max_batch: expected an integer >= 1, got {max_batch!r}.")
+        if kv_memory is not None and (not isinstance(kv_memory, int) or isinstance(kv_memory, bool) or kv_memory < 1):
+            raise InvalidOptionError(f"Invalid kv_memory: expected a number of bytes >= 1, got {kv_memory!r}.")
         self.target = target
         self.max_batch = max_batch
+        self.kv_memory = kv_memory if kv_memory is not None else default_kv_memory()
         self.prefill_chunk = prefill_chunk
         self.device = next(target.parameters()).device
         context = getattr(target.config, "max_position_embeddings", None) or 4096
@@ -107,6 +130,11 @@ class BatchEngine:
         self._invariant = invariant
         self._subsets = supports_subsets(target)
         self._additive_mask = target.config._attn_implementation == PACKED_PREFIX + "eager"
+        cfg = target.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        size = 8 if invariant else next(target.parameters()).element_size()
+        self._bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * size
         #: Forwards run by the engine for batched steps (a shared prefix's own pass is the request's).
         self.batch_forwards = 0
         precision = precision or str(next(target.parameters()).dtype).replace("torch.", "")
@@ -134,6 +162,13 @@ class BatchEngine:
                                  prefix_len=prefix_len, prefix_cache=self.prefix_cache, max_repeats=max_repeats,
                                  prefill_chunk=self.prefill_chunk)
         dec.in_batch = True
+        alone = self.kv_bytes_alone(len(dec.prompt_ids), dec.max_new_tokens)
+        if alone > self.kv_memory:
+            raise KVMemoryError(
+                f"The request needs {alone / 2**20:.0f} MiB of KV cache ({len(prompt_ids)} prompt tokens and up to "
+                f"{dec.max_new_tokens} new ones), more than this engine's kv_memory of "
+                f"{self.kv_memory / 2**20:.0f} MiB; shorten the prompt or the token limit, or raise kv_memory "
+                "(--kv-memory on the server).")
         req = Request(next(self._ids), dec, on_tokens)
         self.waiting.append(req)
         return req
@@ -163,7 +198,7 @@ class BatchEngine:
         if self.device.type == "cpu":
             thread_governor().update()  # the cores other processes leave free (models.threads)
         self._retire(finished)
-        while self.waiting and len(self.active) < self.max_batch:
+        while self.waiting and len(self.active) < self.max_batch and self._fits(self.waiting[0]):
             self._admit(self.waiting.pop(0), finished)
         if self.active:
             self._batched_step()
@@ -172,6 +207,32 @@ class BatchEngine:
         return finished
 
     # -- internals ------------------------------------------------------------------------------
+    def _row_positions(self, dec: SpeculativeDecoder) -> int:
+        """Positions a request's row may come to hold: its prompt, its token limit and a step's drafts."""
+        return len(dec.prompt_ids) + dec.max_new_tokens + DRAFT_MARGIN
+
+    def _kv_bytes(self, rows: list[int]) -> int:
+        """Bytes the row cache holds at most for rows of these positions (slots and capacity as
+        ``RowCache`` allocates them)."""
+        cache = self.cache
+        slots = min(_doubled(1, len(rows)), cache.slots)
+        capacity = min(_doubled(cache.initial_capacity, max(rows)), cache.max_capacity)
+        return slots * capacity * self._bytes_per_token
+
+    def kv_bytes_alone(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The KV bytes a request of this size needs with no other row (what ``submit`` checks
+        against ``kv_memory``)."""
+        return self._kv_bytes([prompt_tokens + max_new_tokens + DRAFT_MARGIN])
+
+    def _fits(self, req: Request) -> bool:
+        """Whether ``req`` may join now: the cache sized for every row's limit stays within
+        ``kv_memory`` (an engine with no row admits what passed ``submit``)."""
+        if not self.active:
+            return True
+        rows = [self._row_positions(r.decoder) for r in self.active] + [self._row_positions(req.decoder)]
+        return self._kv_bytes(rows) <= self.kv_memory
+
+
     def _emit(self, req: Request, tokens: list[int]) -> None:
         if tokens and req.on_tokens is not None:
             req.on_tokens(tokens)

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from .heap import trim_heap
 from .packing import PackedRows
 
 
@@ -121,7 +122,7 @@ class RowCache(Cache):
             if any(b is not None for b in self.keys):
                 self.keys = [None] * self.num_layers
                 self.values = [None] * self.num_layers
-                _trim_heap()
+                trim_heap()
             self.allocated_slots, self.capacity = 1, self.initial_capacity
             return
         longest = int(self.lengths[: self.active].max())
@@ -129,7 +130,7 @@ class RowCache(Cache):
         capacity = min(_doubled(self.initial_capacity, longest), self.max_capacity)
         if 4 * slots * capacity <= self.allocated_slots * self.capacity:
             self._resize(slots, capacity)
-            _trim_heap()
+            trim_heap()
 
     def add_row(self, cache: DynamicCache) -> int:
         """Take a request's single-row cache (its shared prefix, or nothing) into the next free slot."""
@@ -212,14 +213,3 @@ def _doubled(start: int, at_least: int) -> int:
         n *= 2
     return n
 
-
-def _trim_heap() -> None:
-    """Hand freed heap memory back to the operating system (glibc keeps freed blocks under its
-    mmap threshold, which grows to 32 MB as large blocks are freed: a long row's buffers would
-    stay in the process's memory otherwise). A no-op elsewhere."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -57,6 +57,9 @@ class ServerConfig:
     constraint_cache_bytes: int = 64 << 20
     #: What a request's schema or pattern may cost (``constraint.limits``), checked before compiling.
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
+    #: Bytes the engine's KV cache may hold (None: a quarter of the machine's memory); a request
+    #: waits for room, and one that could never fit is a 400.
+    kv_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
 
     def make_engine() -> BatchEngine:
         return BatchEngine(handle.model, max_batch=cfg.max_batch, precision=handle.precision, profile=base.profile,
-                           prefix_cache=base.prefix_cache)
+                           prefix_cache=base.prefix_cache, kv_memory=cfg.kv_memory)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -176,6 +179,13 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
                                     prefix_len=shared)
         except InvalidOptionError as e:  # drafter "model" on a server without a draft model
             raise ApiError(400, str(e), param="speculative.drafter", code="invalid_value") from None
+        engine = state["worker"].engine
+        needs = engine.kv_bytes_alone(len(ids), opts.max_new_tokens)
+        if needs > engine.kv_memory:  # it could never join: say so now rather than queue it
+            raise ApiError(400, f"The request needs {needs / 2**20:.0f} MiB of KV cache ({len(ids)} prompt tokens and "
+                                f"up to {opts.max_new_tokens} new ones), more than this server's --kv-memory of "
+                                f"{engine.kv_memory / 2**20:.0f} MiB; lower max_tokens or shorten the prompt.",
+                           param="max_tokens", code="kv_memory_exceeded")
         job = Job(parts, opts, asyncio.get_running_loop())
         try:
             state["worker"].submit(job)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ..api import RequestParts
 from ..decoding import BatchEngine, Request, SpecOptions
+from ..decoding.heap import libc_function
 
 
 class QueueFull(Exception):
@@ -162,7 +163,7 @@ class MemoryTrim:
     def __init__(self, interval_s: float = 2.0) -> None:
         self.interval_s = interval_s
         self._last = 0.0
-        self._trim = _libc_function("malloc_trim")
+        self._trim = libc_function("malloc_trim")
 
     def maybe(self) -> None:
         """Trim if the last trim is older than ``interval_s``."""
@@ -177,16 +178,6 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     by default each thread that allocates gets an arena of its own (up to 8 per core), and the
     server's threads (HTTP, engine, compiles) each kept fragments of their own. Returns whether
     it took effect (False where the C library has no ``mallopt``)."""
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     return bool(mallopt(-8, arenas)) if mallopt is not None else False  # -8: M_ARENA_MAX
 
-
-def _libc_function(name: str) -> Any:
-    """A function of the C library (glibc's allocator controls), or None where there is none."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
-        return None
