@@ -735,7 +735,7 @@ def serve_cmd(
     request_timeout: float = typer.Option(120.0, "--request-timeout", help="Seconds a request may take in all (504 past it)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", help="On SIGTERM: seconds to finish the requests in flight."),
     constraint_cache_mb: float = typer.Option(64.0, "--constraint-cache-mb", help="MiB of compiled constraints kept (least recently used dropped)."),
-    kv_memory_mb: Optional[float] = typer.Option(None, "--kv-memory", help="MiB the KV cache may hold (default: a quarter of the machine's memory); a request waits for room, one that could never fit is a 400."),
+    kv_memory_mb: Optional[float] = typer.Option(None, "--kv-memory", help="MiB the KV cache may hold (default: half the machine's memory); a request waits for room, one that could never fit is a 400."),
     draft: Optional[str] = DraftOpt,
     drafter: str = DrafterOpt,
     profile: Optional[str] = ProfileOpt,

@@ -57,7 +57,7 @@ class ServerConfig:
     constraint_cache_bytes: int = 64 << 20
     #: What a request's schema or pattern may cost (``constraint.limits``), checked before compiling.
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
-    #: Bytes the engine's KV cache may hold (None: a quarter of the machine's memory); a request
+    #: Bytes the engine's KV cache may hold (None: half the machine's memory); a request
     #: waits for room, and one that could never fit is a 400.
     kv_memory: int | None = None
 
