@@ -44,7 +44,7 @@ from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
 from . import prefix
 from .prefix import Chunk, PrefixCache, prefix_cache_for, store_blocks
 from .profiles import detect_profile
-from .rowcache import RowCache, _doubled
+from .rowcache import RowCache, doubled_to
 from .stats import DecodeResult
 
 
@@ -216,8 +216,8 @@ class BatchEngine:
         """Bytes the row cache holds at most for rows of these positions (slots and capacity as
         ``RowCache`` allocates them)."""
         cache = self.cache
-        slots = min(_doubled(1, len(rows)), cache.slots)
-        capacity = min(_doubled(cache.initial_capacity, max(rows)), cache.max_capacity)
+        slots = min(doubled_to(1, len(rows)), cache.slots)
+        capacity = min(doubled_to(cache.initial_capacity, max(rows)), cache.max_capacity)
         return slots * capacity * self._bytes_per_token
 
     def kv_bytes_alone(self, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -286,29 +286,42 @@ class BatchEngine:
         """The prompt chunks this step feeds, by slot: the next chunk of prefilling rows, the
         row with the least prompt left first (a short request is not held behind a document),
         as many as fit in one chunk's tokens (one at least), a block that several rows start
-        with fed by one of them. Fed every step while no row decodes; else only once the steps'
-        share owed to the prefilling rows (their number over the rows', of each step's time)
-        has caught up with the time their chunks took: a chunk costs what hundreds of decode
-        tokens cost here, so fed every step it would slow every decoding row's step that much."""
+        with fed by one of them while the others wait to copy it. A long prompt (more than a
+        chunk left) is fed every step while no row decodes; else only once the steps' share
+        owed to the long prompts (their number over the rows', of each step's time) has caught
+        up with the time their chunks took: a chunk costs what hundreds of decode tokens cost
+        here, so fed every step it would slow every decoding row's step that much. A short
+        prompt's chunk (a template's prefix) is not held back: its last chunk would ride with
+        its first draft anyway."""
         waiting = [i for i, r in enumerate(self.active) if r.decoder.prompt_chunks and r.error is None]
         if not waiting:
             self._prefill_credit = 0.0
             return {}
         if len(waiting) == len(self.active):
             self._prefill_credit = 0.0  # nobody else to be fair to
-        elif self._prefill_credit < 0:
-            return {}
-        left = {i: len(self.active[i].decoder.prompt_ids) - self.active[i].decoder.prompt_chunks[0].start for i in waiting}
-        budget = prefix.PREFILL_CHUNK if self.prefill_chunk is None else max(self.prefill_chunk, 1)
+        budget = self._chunk_budget
         turn: dict[int, Chunk] = {}
-        for i in sorted(waiting, key=lambda i: (left[i], self.active[i].id)):
+        for i in sorted(waiting, key=lambda i: (self._prompt_left(i), self.active[i].id)):
             chunk = self.active[i].decoder.prompt_chunks[0]
-            if chunk.key is not None and any(c.key == chunk.key for c in turn.values()):
+            if self._prefill_credit < 0 and self._prompt_left(i) > budget:
+                continue  # a long prompt waits for its share of the steps
+            if (self.prefix_cache is not None and chunk.key is not None
+                    and any(c.key == chunk.key for c in turn.values())):
                 continue  # another row feeds this very block now: copy it next step (``_catch_up``)
             if turn and sum(c.length for c in turn.values()) + chunk.length > budget:
                 break
             turn[i] = chunk
         return turn
+
+    @property
+    def _chunk_budget(self) -> int:
+        """Prompt-chunk tokens a step may feed."""
+        return prefix.PREFILL_CHUNK if self.prefill_chunk is None else max(self.prefill_chunk, 1)
+
+    def _prompt_left(self, slot: int) -> int:
+        """Prompt tokens the row in ``slot`` has yet to feed."""
+        dec = self.active[slot].decoder
+        return len(dec.prompt_ids) - dec.prompt_chunks[0].start if dec.prompt_chunks else 0
 
     @torch.no_grad()
     def _batched_step(self) -> None:
@@ -326,6 +339,7 @@ class BatchEngine:
                 req.error = e
                 plans.append(None)
         feeding = self._prefill_turn()
+        long_fed = {i for i in feeding if self._prompt_left(i) > self._chunk_budget}  # long prompts' share
         chunk_tokens = sum(c.length for c in feeding.values())
         live = [(i, p) for i, p in enumerate(plans) if p is not None]
         if not live and not feeding:
@@ -375,11 +389,11 @@ class BatchEngine:
         self.batch_forwards += 1
         if not feeding:  # a chunk's rows take the dense prompt path: another cost per token
             self.cost.add(packing.tokens, seconds)
+        long = [i for i in range(b) if self._prompt_left(i) > self._chunk_budget]  # before the fed chunks are booked
         for i, c in feeding.items():
-            self._fed_chunk(i, c, seconds * c.length / packing.tokens)
-        if feeding or any(r.decoder.prompt_chunks for r in self.active):
-            share = sum(bool(r.decoder.prompt_chunks) or i in feeding for i, r in enumerate(self.active)) / b
-            self._prefill_credit = min(self._prefill_credit + share * seconds, seconds)
+            self._fed_chunk(i, c, seconds * c.length / packing.tokens, counted=i in long_fed)
+        if long:
+            self._prefill_credit = min(self._prefill_credit + len(long) / b * seconds, seconds)
         vocab = logits.shape[-1] if logits is not None else int(self.target.config.vocab_size)
         dtype = logits.dtype if logits is not None else torch.float32
         read = 0  # ``needed`` lists each row's positions in turn: its logits are the next len(rows)
@@ -417,13 +431,15 @@ class BatchEngine:
                 self.cache.append(slot, keys, values)
                 dec.stats.prefix_cached_tokens = chunk.end
 
-    def _fed_chunk(self, slot: int, chunk: Chunk, seconds: float) -> None:
-        """Book a prompt chunk the row in ``slot`` fed this step (``seconds``: its share)."""
+    def _fed_chunk(self, slot: int, chunk: Chunk, seconds: float, counted: bool) -> None:
+        """Book a prompt chunk the row in ``slot`` fed this step (``seconds``: its share;
+        ``counted``: a long prompt's, against the long prompts' share of the steps)."""
         dec = self.active[slot].decoder
         dec.prompt_chunks.pop(0)
         dec.stats.prefill_seconds += seconds
         self.cache.keep(slot, chunk.length)
-        self._prefill_credit -= seconds
+        if counted:
+            self._prefill_credit -= seconds
         self._store_blocks(slot, [chunk])
 
     def _store_blocks(self, slot: int, chunks: list[Chunk]) -> None:

@@ -76,7 +76,7 @@ class RowCache(Cache):
             raise RuntimeError("RowCache.update outside a packed step (set RowCache.packing first)")
         _, heads, _, dim = key_states.shape
         if packing.batch > self.allocated_slots:  # rows placed without add_row (tests)
-            self._resize(min(_doubled(self.allocated_slots, packing.batch), self.slots), self.capacity)
+            self._resize(min(doubled_to(self.allocated_slots, packing.batch), self.slots), self.capacity)
         if self.dtype is not None:
             key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         if self.keys[layer_idx] is None:
@@ -103,7 +103,7 @@ class RowCache(Cache):
         if positions > self.max_capacity:
             raise ValueError(f"A row needs {positions} positions; the model's context holds {self.max_capacity}.")
         if positions > self.capacity:
-            self._resize(self.allocated_slots, min(_doubled(self.capacity, positions), self.max_capacity))
+            self._resize(self.allocated_slots, min(doubled_to(self.capacity, positions), self.max_capacity))
 
     def _resize(self, slots: int, capacity: int) -> None:
         """Buffers of ``slots x capacity`` holding what the active rows hold."""
@@ -126,8 +126,8 @@ class RowCache(Cache):
             self.allocated_slots, self.capacity = 1, self.initial_capacity
             return
         longest = int(self.lengths[: self.active].max())
-        slots = min(_doubled(1, self.active), self.slots)
-        capacity = min(_doubled(self.initial_capacity, longest), self.max_capacity)
+        slots = min(doubled_to(1, self.active), self.slots)
+        capacity = min(doubled_to(self.initial_capacity, longest), self.max_capacity)
         if 4 * slots * capacity <= self.allocated_slots * self.capacity:
             self._resize(slots, capacity)
             trim_heap()
@@ -137,21 +137,12 @@ class RowCache(Cache):
         if self.active >= self.slots:
             raise RuntimeError("RowCache is full")
         slot = self.active
-        length = cache.get_seq_length()
         if slot >= self.allocated_slots:
-            self._resize(min(_doubled(self.allocated_slots, slot + 1), self.slots), self.capacity)
-        self.reserve(length)
-        for i, layer in enumerate(cache.layers if length else ()):
-            k, v = layer.keys, layer.values
-            if self.dtype is not None:
-                k, v = k.to(self.dtype), v.to(self.dtype)
-            if self.keys[i] is None:
-                shape = (self.allocated_slots, k.shape[1], self.capacity, k.shape[3])
-                self.keys[i], self.values[i] = k.new_zeros(shape), v.new_zeros(shape)
-            self.keys[i][slot, :, :length] = k[0]
-            self.values[i][slot, :, :length] = v[0]
-        self.lengths[slot] = length
+            self._resize(min(doubled_to(self.allocated_slots, slot + 1), self.slots), self.capacity)
+        self.lengths[slot] = 0
         self.active += 1
+        if cache.get_seq_length():
+            self.append(slot, [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers])
         return slot
 
     def append(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -206,7 +197,7 @@ class RowCache(Cache):
         return sum(b.numel() * b.element_size() for store in (self.keys, self.values) for b in store if b is not None)
 
 
-def _doubled(start: int, at_least: int) -> int:
+def doubled_to(start: int, at_least: int) -> int:
     """``start`` doubled until it is at least ``at_least``."""
     n = max(start, 1)
     while n < at_least:
