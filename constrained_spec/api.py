@@ -56,7 +56,7 @@ def chat_prefix_length(handle: ModelHandle, messages: list[dict[str, str]], ids:
     """How many leading tokens of a conversation's ``ids`` every conversation that opens with
     the same system turns shares: those turns (or the default system prompt the template adds)
     and the opening of the next turn. None when there is no later turn, no chat template, or
-    fewer than ``MIN_PREFIX`` tokens (not worth a pass of their own)."""
+    fewer than ``MIN_PREFIX`` tokens (not worth a block of their own)."""
     tok = handle.tokenizer
     system = list(itertools.takewhile(lambda m: m.get("role") == "system", messages))
     if len(system) == len(messages) or not getattr(tok, "chat_template", None):
@@ -269,8 +269,9 @@ def generate_json(
             ``value`` and ``stats`` are set once it is exhausted.
         return_stats: also return a ``DecodeStats``.
         shared_prefix: the leading text of ``prompt`` that other requests share (an instruction
-            template, a system text): its tokens are computed in a pass of their own and, with
-            ``prefix_cache`` on (the default), kept for the next request that starts with them.
+            template, a system text): a cut between prompt chunks where it ends, so with
+            ``prefix_cache`` on (the default) its keys are kept as a block for the next request
+            that starts with it even when it is shorter than a chunk (``decoding.prefix``).
             The output is the same with or without the cache.
 
     Returns:

@@ -136,7 +136,7 @@ class BatchEngine:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         size = 8 if invariant else next(target.parameters()).element_size()
         self._bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * size
-        #: Forwards run by the engine for batched steps (a shared prefix's own pass is the request's).
+        #: Forwards run by the engine for batched steps (prompt chunks included).
         self.batch_forwards = 0
         precision = precision or str(next(target.parameters()).dtype).replace("torch.", "")
         self.cost = BatchCost(*batch_cost_prior(profile or detect_profile(), precision))
