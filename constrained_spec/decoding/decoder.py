@@ -248,7 +248,7 @@ class SpeculativeDecoder:
         self.stats.prefix_cached_tokens = chunks[loaded - 1].end if loaded else 0
         rest = chunks[loaded:]
         if len(rest) > 1 and not self._batch_invariant:
-            prefill_alone(self.target, self.cache, tokens, rest[:-1], False)
+            prefill_alone(self.target, self.cache, tokens, rest[:-1])
             self._store(rest[:-1])
             rest = rest[-1:]
         elif len(rest) > 1 and self.in_batch:

@@ -339,7 +339,6 @@ class BatchEngine:
                 req.error = e
                 plans.append(None)
         feeding = self._prefill_turn()
-        long_fed = {i for i in feeding if self._prompt_left(i) > self._chunk_budget}  # long prompts' share
         chunk_tokens = sum(c.length for c in feeding.values())
         live = [(i, p) for i, p in enumerate(plans) if p is not None]
         if not live and not feeding:
@@ -391,7 +390,7 @@ class BatchEngine:
             self.cost.add(packing.tokens, seconds)
         long = [i for i in range(b) if self._prompt_left(i) > self._chunk_budget]  # before the fed chunks are booked
         for i, c in feeding.items():
-            self._fed_chunk(i, c, seconds * c.length / packing.tokens, counted=i in long_fed)
+            self._fed_chunk(i, c, seconds * c.length / packing.tokens, counted=i in long)
         if long:
             self._prefill_credit = min(self._prefill_credit + len(long) / b * seconds, seconds)
         vocab = logits.shape[-1] if logits is not None else int(self.target.config.vocab_size)

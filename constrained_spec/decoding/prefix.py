@@ -179,10 +179,10 @@ def store_blocks(store: PrefixCache | None, chunks: list[Chunk],
 
 
 @torch.no_grad()
-def prefill_alone(target: Any, cache: Any, tokens: list[int], chunks: list[Chunk], batch_invariant: bool) -> None:
-    """Feed each of ``chunks`` into ``cache`` in a forward of its own."""
+def prefill_alone(target: Any, cache: Any, tokens: list[int], chunks: list[Chunk]) -> None:
+    """Feed each of ``chunks`` into ``cache`` in a forward of its own (a model that is not
+    batch-invariant: see the module docstring)."""
     device = next(target.parameters()).device
     for chunk in chunks:
-        extra = {"prompt_rows": chunk.length} if batch_invariant else {}
         target.base_model(input_ids=torch.tensor([tokens[chunk.start : chunk.end]], device=device), cache=cache,
-                          use_cache=True, **extra)
+                          use_cache=True)
