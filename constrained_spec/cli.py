@@ -508,7 +508,8 @@ def bench_cmd(
     profile_forward: bool = typer.Option(False, "--profile-forward", help="Instead: where a target forward's time goes (output projection, linears, attention, norms, other) for verify passes of --forward-ks new tokens, at each --precision (default native,float32)."),
     forward_ks: str = typer.Option("1,4,12,21", "--forward-ks", help="With --profile-forward: the new tokens per pass."),
     neighbour: bool = typer.Option(False, "--neighbour", help="Instead: each request's time alone, beside one busy core and beside another torch process, with the thread governor and with fixed threads (first --limit prompts, default 3)."),
-    long_prompt: Optional[int] = typer.Option(None, "--long-prompt", min=64, help="Instead: a document of this many tokens (e.g. 3900) in the batch engine, chunked prefill against one-step prefill: memory, the stall of short requests arriving a second after it, and three schemas over the one document."),
+    long_prompt: Optional[int] = typer.Option(None, "--long-prompt", min=64, help="Instead: a document of this many tokens (e.g. 3900) in the batch engine, chunked prefill against one-step prefill: memory, the stall of short requests arriving a second after it, and three schemas over the one document; then through `serve`: memory, the request against in process, short requests beside it (--no-server: skip)."),
+    long_server: bool = typer.Option(True, "--server/--no-server", help="With --long-prompt: also measure through a `serve` child process."),
 ) -> None:
     """Target-only vs every drafter and K policy on the extraction prompts, side by side in one run.
 
@@ -526,7 +527,7 @@ def bench_cmd(
         _run_guarded(lambda: _neighbour_bench(limit or 3, max_new_tokens, llama_cpp, json_out))
         return
     if long_prompt is not None:
-        _run_guarded(lambda: _long_prompt_bench(long_prompt, json_out))
+        _run_guarded(lambda: _long_prompt_bench(long_prompt, json_out, long_server))
         return
     if batch is not None:
         _run_guarded(lambda: _batch_sweep(batch, model, dtype, precision, documents, limit, json_out, plot))
@@ -809,10 +810,12 @@ def _neighbour_bench(limit: int, max_new_tokens: int, llama_cpp: bool, json_out:
         err.print(f"figures written to {json_out}")
 
 
-def _long_prompt_bench(tokens: int, json_out: Optional[Path]) -> None:
-    from .pipelines.long_prompt_bench import run_long_prompt_bench
+def _long_prompt_bench(tokens: int, json_out: Optional[Path], through_server: bool = True) -> None:
+    from .pipelines.long_prompt_bench import run_long_prompt_bench, run_long_prompt_server
 
-    rows = run_long_prompt_bench(tokens, progress=lambda m: err.print(f"[dim]{m}[/]"))
+    progress = lambda m: err.print(f"[dim]{m}[/]")  # noqa: E731
+    rows = run_long_prompt_bench(tokens, progress=progress)
+    server = run_long_prompt_server(tokens, progress=progress) if through_server else None
     table = Table(title=f"A {rows[0].prompt_tokens}-token extraction prompt in the batch engine (embedded model, "
                         f"{os.cpu_count()} cores)")
     table.add_column("figure")
@@ -835,9 +838,26 @@ def _long_prompt_bench(tokens: int, json_out: Optional[Path]) -> None:
     ]
     for name, cell in lines:
         table.add_row(name, *(cell(r) for r in rows))
-    Console(width=max(120, Console().width)).print(table)
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    if server is not None:
+        alone = rows[0].long_alone_s
+        table = Table(title="The same long request through `constrained-spec serve` (defaults, one child process)")
+        table.add_column("figure")
+        table.add_column("through the server", justify="right")
+        for name, value in [
+            ("resident memory idle / peak / after (MiB)", f"{server.rss_idle_mib:.0f} / {server.rss_peak_mib:.0f} / {server.rss_after_mib:.0f}"),
+            ("growth during the long requests (MiB)", f"{server.growth_mib:.0f}"),
+            ("long request alone (s), against in process", f"{server.long_alone_s:.1f} ({server.long_alone_s / alone:.2f}x)"),
+            ("again, document cached, short ones beside it (s)", f"{server.long_cached_with_short_s:.1f}"),
+            ("short requests arriving 1 s after it (s each)", " ".join(f"{s:.1f}" for s in server.short_s)),
+            ("valid outputs", f"{server.valid}/{server.outputs}" + (f" ({'; '.join(server.errors)})" if server.errors else "")),
+        ]:
+            table.add_row(name, value)
+        console.print(table)
     if json_out:
-        json_out.write_text(json.dumps([r.as_dict() for r in rows], indent=2))
+        out = {"engine": [r.as_dict() for r in rows], "server": server.as_dict() if server else None}
+        json_out.write_text(json.dumps(out, indent=2))
         err.print(f"figures written to {json_out}")
 
 

@@ -87,7 +87,7 @@ def test_a_long_prompt_is_fed_chunk_by_chunk_beside_decoding_rows(smol, small_ch
     def spy(self, p, lg, seconds, prompt_seconds=None):
         if p.first and self is reqs[0].decoder:
             n = int(engine.cache.lengths[reqs[0].slot]) + len(p.tokens)
-            captured.update(tokens=p.tokens, logits=lg.clone(), keys=[k[reqs[0].slot, :, :n].clone() for k in engine.cache.keys])
+            captured.update(tokens=p.tokens, logits=lg.clone(), keys=[k.clone() for k in engine.cache.block(reqs[0].slot, 0, n)[0]])
         return finish(self, p, lg, seconds, prompt_seconds)
 
     monkeypatch.setattr(SpeculativeDecoder, "finish", spy)

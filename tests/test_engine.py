@@ -9,6 +9,8 @@ and different token limits (rows leave early).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -169,27 +171,86 @@ def test_cache_memory_stays_bounded_over_a_long_run(smol_tokenizer, models, comp
 
 
 def test_a_long_row_gives_its_memory_back_when_it_leaves():
-    """One long row among short ones: while it is there the buffers hold its length; when it
-    leaves they shrink to what the short rows need; empty, nothing is held."""
+    """One long row among short ones sits on a shelf of its own: the short rows' slots are not
+    sized by it; when it leaves its shelf is freed and the short rows keep their keys; empty,
+    nothing is held."""
     from constrained_spec.decoding.rowcache import RowCache
 
     cache = RowCache(num_layers=2, slots=8, max_capacity=8192, capacity=256)
-    block = lambda n: [torch.ones(1, n, 4, dtype=torch.float64)] * 2  # noqa: E731
-    for n in (100, 3000, 120, 90):
-        slot = cache.add_row(DynamicCache())
-        cache.append(slot, block(n), block(n))
-    assert (cache.allocated_slots, cache.capacity) == (4, 4096)
-    held = cache.allocated_bytes
-    assert held == 2 * 2 * 4 * 4096 * 4 * 8
-    cache.remove_row(1)  # the long row; the last row moves into its slot
+    block = lambda n, x=1.0: [torch.full((1, n, 4), x, dtype=torch.float64)] * 2  # noqa: E731
+    for i, n in enumerate((100, 3000, 120, 90)):
+        row = cache.add_row(DynamicCache())
+        cache.append(row, block(n, i), block(n, i))
+    per_slot = 2 * 2 * 4 * 8  # layers x (keys, values) x head_dim x float64, per position
+    assert sorted(cache.shelves) == [256, 3072]
+    assert cache.allocated_bytes == (4 * 256 + 1 * 3072) * per_slot  # dense slots: 4 x 4096
+    cache.remove_row(1)  # the long row; the last row takes its number
     cache.release()
-    assert (cache.allocated_slots, cache.capacity) == (4, 256) and cache.allocated_bytes == held // 16
-    assert torch.equal(cache.keys[0][1, :, :90], torch.ones(1, 90, 4, dtype=torch.float64))  # the moved row kept
+    assert sorted(cache.shelves) == [256] and cache.allocated_bytes == 4 * 256 * per_slot
+    assert torch.equal(cache.block(1, 0, 90)[0][0], block(90, 3)[0])  # the renumbered row kept its keys
     assert cache.lengths[:3].tolist() == [100, 90, 120]
-    for slot in (2, 1, 0):
-        cache.remove_row(slot)
+    for row in (2, 1, 0):
+        cache.remove_row(row)
     cache.release()
-    assert cache.allocated_bytes == 0 and cache.capacity == 256
+    assert cache.allocated_bytes == 0 and not cache.shelves
+
+
+def test_random_joins_growth_rollbacks_and_leaves_keep_every_row_exact_and_return_every_byte():
+    """A long random run of joins, appends that move rows to larger shelves, steps that keep
+    part of what they wrote (rollback), and leaves: every row's keys equal a reference copy
+    after every operation, the buffers stay within 4x what the rows' shelves need after each
+    release, and every byte is returned at the end."""
+    import random
+
+    from constrained_spec.decoding.rowcache import RowCache
+
+    rng = random.Random(7)
+    cache = RowCache(num_layers=2, slots=6, max_capacity=4096, capacity=16)
+    reference: list[torch.Tensor] = []  # per row: its keys [1, n, 2]
+    counter = itertools.count(1)
+    per_token = 2 * 2 * 2 * 8
+    moves = 0
+    for step in range(400):
+        op = rng.random()
+        if cache.active < cache.slots and (op < 0.2 or not cache.active):
+            cache.add_row(DynamicCache())
+            reference.append(torch.zeros(1, 0, 2, dtype=torch.float64))
+        elif op < 0.6:
+            row = rng.randrange(cache.active)
+            n = rng.choice([1, 3, 17, 40, 200])
+            if int(cache.lengths[row]) + n > cache.max_capacity:
+                continue
+            x = torch.full((1, n, 2), float(next(counter)), dtype=torch.float64)
+            before = cache.capacity_of(row)
+            cache.append(row, [x, x], [x, -x])
+            moves += cache.capacity_of(row) != before
+            reference[row] = torch.cat([reference[row], x], dim=1)
+        elif op < 0.8:  # a step wrote drafts and keeps some: the rest is rolled back
+            row = rng.randrange(cache.active)
+            keep = rng.randrange(int(cache.lengths[row]) + 1)
+            cache.lengths[row] = keep
+            reference[row] = reference[row][:, :keep]
+        else:
+            row = rng.randrange(cache.active)
+            moved = cache.remove_row(row)
+            last = reference.pop()
+            if moved is not None:
+                reference[row] = last
+            cache.release()
+            # a rolled-back row keeps its shelf: the bound is the shelves the rows sit on
+            held = cache.footprint([cache.capacity_of(r) for r in range(cache.active)]) * per_token
+            assert cache.allocated_bytes <= 4 * held or not cache.active
+        for row in range(cache.active):
+            n = int(cache.lengths[row])
+            assert n == reference[row].shape[1]
+            if n:
+                keys, values = cache.block(row, 0, n)
+                assert torch.equal(keys[0], reference[row]) and torch.equal(values[1], -reference[row])
+    assert moves > 10  # rows did change shelves
+    while cache.active:
+        cache.remove_row(cache.active - 1)
+    cache.release()
+    assert cache.allocated_bytes == 0
 
 
 def test_a_full_kv_bound_makes_requests_wait_and_one_that_never_fits_is_refused(smol_tokenizer, models, compiled):
@@ -223,27 +284,32 @@ def test_a_full_kv_bound_makes_requests_wait_and_one_that_never_fits_is_refused(
         BatchEngine(target, kv_memory=0)
 
 
-def test_row_cache_grows_by_doubling_within_the_context():
+def test_row_cache_rows_move_to_larger_shelves_within_the_context():
+    """A packed step writes each token at its row's slot; a row that outgrows its shelf moves to
+    one of twice the capacity (then steps of 1,024 past 2,048, never past the context) with its
+    keys, and its old shelf, empty, is freed."""
+    from constrained_spec.decoding.packing import pack_rows
     from constrained_spec.decoding.rowcache import RowCache
 
-    from constrained_spec.decoding.packing import pack_rows
-
-    cache = RowCache(num_layers=2, slots=3, max_capacity=1000, capacity=16)
+    cache = RowCache(num_layers=2, slots=3, max_capacity=5000, capacity=16)
     k = torch.randn(2, 1, 5, 4, dtype=torch.float64)
-    cache.active = 2
-    cache.packing = pack_rows(cache.lengths[:2], [5, 3])  # packed: row 0's 5 tokens, then row 1's 3
+    for _ in range(2):
+        cache.add_row(DynamicCache())
+    cache.packing = pack_rows(cache.lengths[:2], [5, 3], parts=cache.parts())  # row 0's 5 tokens, then row 1's 3
     packed = torch.cat([k[0, :, :5], k[1, :, :3]], dim=1)[None]
     keys, _ = cache.update(packed, packed, 0)
-    assert keys.shape == (2, 1, 5, 4)  # every row's keys up to the longest row plus the width
+    assert [t.shape for t in keys] == [(2, 1, 16, 4)]  # one shelf: both rows' keys as a view
     cache.packing = None
-    cache.lengths[:2] = torch.tensor([5, 3])
-    cache.reserve(40)
-    assert cache.capacity == 64 and cache.keys[0].shape == (2, 1, 64, 4)  # slots allocated as rows arrive
-    assert torch.equal(cache.keys[0][0, :, :5], k[0]) and torch.equal(cache.keys[0][1, :, :3], k[1, :, :3])
-    cache.reserve(900)
-    assert cache.capacity == 1000
+    cache.keep(0, 5)
+    cache.keep(1, 3)
+    cache.reserve_row(0, 40)
+    assert sorted(cache.shelves) == [16, 64] and cache.capacity_of(0) == 64
+    assert torch.equal(cache.block(0, 0, 5)[0][0], k[0]) and torch.equal(cache.block(1, 0, 3)[0][0], k[1, :, :3])
+    cache.reserve_row(1, 900)
+    assert sorted(cache.shelves) == [64, 1024]  # the 16 shelf emptied and went
+    assert [cache.capacity_for(n) for n in (2049, 3072, 3073, 4900)] == [3072, 3072, 4096, 5000]
     with pytest.raises(ValueError, match="context"):
-        cache.reserve(1001)
+        cache.reserve_row(0, 5001)
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,7 @@ def test_a_joining_prompt_gets_its_own_first_pass_bit_for_bit(native, monkeypatc
         if plan.first:
             req = next(r for r in engine.active if r.decoder is self)
             n = int(engine.cache.lengths[req.slot]) + len(plan.tokens)
-            keys = [k[req.slot, :, :n].clone() for k in engine.cache.keys]
+            keys = [k.clone() for k in engine.cache.block(req.slot, 0, n)[0]]
             captured[reqs.index(req)] = (plan.tokens, logits.clone(), keys)
         return finish(self, plan, logits, seconds, prompt_seconds)
 

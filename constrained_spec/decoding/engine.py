@@ -44,7 +44,7 @@ from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
 from . import prefix
 from .prefix import Chunk, PrefixCache, prefix_cache_for, store_blocks
 from .profiles import detect_profile
-from .rowcache import RowCache, doubled_to
+from .rowcache import RowCache
 from .stats import DecodeResult
 
 
@@ -215,10 +215,7 @@ class BatchEngine:
     def _kv_bytes(self, rows: list[int]) -> int:
         """Bytes the row cache holds at most for rows of these positions (slots and capacity as
         ``RowCache`` allocates them)."""
-        cache = self.cache
-        slots = min(doubled_to(1, len(rows)), cache.slots)
-        capacity = min(doubled_to(cache.initial_capacity, max(rows)), cache.max_capacity)
-        return slots * capacity * self._bytes_per_token
+        return self.cache.footprint(rows) * self._bytes_per_token
 
     def kv_bytes_alone(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The KV bytes a request of this size needs with no other row (what ``submit`` checks
@@ -350,10 +347,11 @@ class BatchEngine:
             counts[i], prompts[i] = len(p.tokens) - p.first, p.first
         for i, c in feeding.items():
             prompts[i] = c.length
-        packing = pack_rows(self.cache.lengths, counts, prompts, additive=self._additive_mask)
+        for i in range(b):  # room for what each row feeds (a row may move to a larger shelf)
+            self.cache.reserve_row(i, int(self.cache.lengths[i]) + prompts[i] + counts[i])
+        packing = pack_rows(self.cache.lengths, counts, prompts, additive=self._additive_mask, parts=self.cache.parts())
         self.step_tokens.append(packing.tokens)
         self.step_chunk_tokens.append(chunk_tokens)
-        self.cache.reserve(packing.key_length)
         fed = {i: p.tokens for i, p in live}
         for i, c in feeding.items():
             fed[i] = self.active[i].decoder.prompt_ids[c.start : c.end]
@@ -361,9 +359,12 @@ class BatchEngine:
         needed = [packing.starts[i] + r for i, p in live for r in p.rows]  # packed indices whose logits are read
         self.cache.active = b
         self.cache.packing = packing.to(self.device)
-        # The grids carry their own masks; any 4D mask keeps transformers from building one.
+        # The grids carry their own masks; any 4D mask keeps transformers from building one (a
+        # step that only feeds prompt chunks has no grid).
+        grids = self.cache.packing.grids
+        mask = grids[0].mask if grids else torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         inputs = dict(input_ids=ids[None].to(self.device), position_ids=self.cache.packing.positions[None],
-                      attention_mask=self.cache.packing.grids[0].mask, cache=self.cache, use_cache=True,
+                      attention_mask=mask, cache=self.cache, use_cache=True,
                       packing=self.cache.packing)
         if self._invariant and packing.prompts:  # joining requests' prompt rows keep the stock kernels
             inputs["prompt_rows"] = [(seg.start, seg.length) for seg in packing.prompts]
@@ -445,7 +446,7 @@ class BatchEngine:
         """Keep the blocks of ``chunks`` (held by the row in ``slot``) in the prefix cache."""
         cache = self.cache
         store_blocks(self.prefix_cache, chunks,
-                     lambda s, e: ([k[slot, :, s:e] for k in cache.keys], [v[slot, :, s:e] for v in cache.values]),
+                     lambda s, e: cache.block(slot, s, e),
                      getattr(self.target, "dtype", None))
 
     def _budget(self, live: list[tuple[int, StepPlan]], chunk_tokens: int = 0) -> list[tuple[int, StepPlan]]:

@@ -12,12 +12,15 @@ row cache writes each token's keys at its row's slot and position (``RowCache.pa
 Only attention needs rows apart (``_packed_attention``, a wrapper around the model's own
 implementation: sdpa, eager or the batch-invariant one). A step's new tokens are gathered into
 padded grids ``[rows, h, w, d]``, each row attending to its own keys through a per-row mask,
-and scattered back. Rows are grouped by their keys first (``_length_groups``: a row whose keys
-are more than twice another's, plus ``LENGTH_SLACK``, goes to another grid), so short rows do
-not attend over a long document's padded positions, nor pay for a row that feeds nothing this
-step (one waiting for its next prompt chunk); within a group, a row feeding many more tokens
-than the rest gets a second grid. A grid over some rows gathers their keys; one over every row
-reads the cache's views. A joining request's prompt segment is attended on its own,
+and scattered back. Rows are grouped by the cache's parts first (``RowCache.parts()``: a
+shelf's rows, all within about twice each other's length, their keys one buffer), so short rows
+do not attend over a long document's padded positions, nor pay for a shelf whose rows all feed
+nothing this step (a document waiting for its next prompt chunk); within a group, a row
+feeding many more tokens than the rest gets a second grid. A grid over some of a part's rows
+gathers their keys; one over all of them reads the part's views. Without parts (one dense
+buffer), rows are grouped by key length (``_length_groups``: a row whose keys are more than
+twice another's, plus ``LENGTH_SLACK``, goes to another grid). A joining request's prompt
+segment is attended on its own,
 with the very call its own first pass makes (its keys only, the mask that pass builds), so its
 prompt rows come out as they would alone. Padded grid cells are the one place padding remains.
 """
@@ -48,12 +51,16 @@ class PromptSegment:
     length: int
     past: int
     fed: int
+    #: The row's shelf (its index in the cache's parts) and slot on it.
+    part: int = 0
+    slot: int = 0
 
 
 @dataclass(frozen=True)
 class Grid:
-    """A padded ``[rows, width]`` block of a step's new tokens, attended at once: ``slots`` the
-    cache rows it covers (None: all ``0 .. b - 1``), ``offset`` the first column of those rows'
+    """A padded ``[rows, width]`` block of a step's new tokens, attended at once over the keys of
+    cache part ``part`` (a shelf of ``decoding.rowcache``): ``slots`` the part's slots it covers
+    (None: all of them, in order), ``offset`` the first column of those rows'
     new tokens it holds; ``tokens`` the packed indices of its tokens, ``scatter`` their places
     in the block (``row * width + col``), ``gather`` the block's packed indices (padding points
     at one of its tokens, the result is dropped), ``mask`` ``[rows, 1, width, keys]``: each query
@@ -67,12 +74,22 @@ class Grid:
     gather: torch.Tensor
     mask: torch.Tensor
     keys: int = 0
+    part: int = 0
 
     def to(self, device: torch.device) -> "Grid":
         """The same on ``device``."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Grid(move(self.slots), self.width, self.offset, move(self.tokens), move(self.scatter), move(self.gather),
-                    move(self.mask), self.keys)
+        return Grid(_move(self.slots, device), self.width, self.offset, _move(self.tokens, device),
+                    _move(self.scatter, device), _move(self.gather, device), _move(self.mask, device), self.keys,
+                    self.part)
+
+
+#: Where a part's tokens are written: the packed indices of its tokens (None: every token),
+#: their slots and positions; None for a part with no token this step.
+Write = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None
+
+
+def _move(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,8 @@ class PackedRows:
     key_length: int
     grids: tuple[Grid, ...]
     prompts: tuple[PromptSegment, ...] = ()
+    #: Per cache part, where its tokens are written (``RowCache.update``).
+    writes: tuple[Write, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -104,8 +123,9 @@ class PackedRows:
         """The same on ``device``."""
         if self.rows.device == device:
             return self
+        writes = tuple(None if w is None else tuple(_move(t, device) for t in w) for w in self.writes)
         return PackedRows(self.rows.to(device), self.positions.to(device), self.starts, self.batch, self.key_length,
-                          tuple(g.to(device) for g in self.grids), self.prompts)
+                          tuple(g.to(device) for g in self.grids), self.prompts, writes)  # type: ignore[arg-type]
 
 
 #: What gathering one long row's keys and values for a second grid costs, in padded query rows
@@ -142,10 +162,13 @@ def _split_width(counts: list[int]) -> int:
 
 
 def pack_rows(lengths: torch.Tensor, counts: list[int], prompt_counts: list[int] | None = None,
-              additive: bool = False) -> PackedRows:
+              additive: bool = False, parts: list[list[int]] | None = None) -> PackedRows:
     """The layout of a step in which row ``i`` (cache length ``lengths[i]``) feeds
     ``prompt_counts[i]`` prompt tokens (a request joining now) and then ``counts[i]`` new tokens
-    (0 for a row that sits the step out). ``additive``: masks as additive floats (eager attention)."""
+    (0 for a row that sits the step out). ``additive``: masks as additive floats (eager attention).
+    ``parts``: the rows of each part of the cache (``RowCache.parts()``: a shelf's rows in slot
+    order), attended a grid per part over its keys; None: one part, rows ``0 .. b - 1`` in their
+    slots, grouped by key length (``_length_groups``)."""
     b = len(counts)
     prompt_counts = prompt_counts or [0] * b
     widest = max(max(counts), 1)
@@ -157,13 +180,44 @@ def pack_rows(lengths: torch.Tensor, counts: list[int], prompt_counts: list[int]
     positions = lengths[rows] + cols
     bases = lengths + torch.tensor(prompt_counts, dtype=torch.long)  # each row's first new position
     key_length = int(bases.max()) + widest
-    groups = _length_groups(bases.tolist())
-    if len(groups) > 1:  # rows feeding nothing need no grid once the grids gather their rows anyway
-        groups = [g for g in ([i for i in group if counts[i]] for group in groups) if g]
-    grids = [_grid(group, b, counts, starts, prompt_counts, bases, lo, hi, additive)
-             for group in groups or [list(range(b))] for lo, hi in _spans([counts[i] for i in group])]
-    prompts = tuple(PromptSegment(i, starts[i], prompt_counts[i], int(lengths[i]), fed[i]) for i in range(b) if prompt_counts[i])
-    return PackedRows(rows, positions, starts[:-1], b, key_length, tuple(grids), prompts)
+    if parts is None:
+        parts = [list(range(b))]
+        groups = [(0, g) for g in _length_groups(bases.tolist())]
+        if len(groups) > 1:  # rows feeding nothing need no grid once the grids gather their rows anyway
+            groups = [(0, g) for g in ([i for i in group if counts[i]] for _, group in groups) if g]
+        groups = groups or [(0, list(range(b)))]
+    else:  # a grid over each part that feeds new tokens: its rows' keys are views of one buffer
+        groups = [(p, rows_) for p, rows_ in enumerate(parts) if any(counts[i] for i in rows_)]
+    part_of, slot_of = [0] * b, [0] * b
+    for p, rows_ in enumerate(parts):
+        for s, i in enumerate(rows_):
+            part_of[i], slot_of[i] = p, s
+    grids = [_grid(group, len(parts[p]), p, slot_of, counts, starts, prompt_counts, bases, lo, hi, additive)
+             for p, group in groups for lo, hi in _spans([counts[i] for i in group])]
+    prompts = tuple(PromptSegment(i, starts[i], prompt_counts[i], int(lengths[i]), fed[i], part_of[i], slot_of[i])
+                    for i in range(b) if prompt_counts[i])
+    return PackedRows(rows, positions, starts[:-1], b, key_length, tuple(grids), prompts,
+                      _writes(rows, positions, part_of, slot_of, len(parts)))
+
+
+def _writes(rows: torch.Tensor, positions: torch.Tensor, part_of: list[int], slot_of: list[int],
+            n_parts: int) -> tuple[Write, ...]:
+    """Each part's packed tokens, slots and positions (see ``Write``)."""
+    token_parts = torch.tensor(part_of, dtype=torch.long)[rows] if len(rows) else rows
+    slots = torch.tensor(slot_of, dtype=torch.long)[rows] if len(rows) else rows
+    out: list[Write] = []
+    for p in range(n_parts):
+        if n_parts == 1:
+            out.append((None, slots, positions) if len(rows) else None)
+            continue
+        tokens = (token_parts == p).nonzero().flatten()
+        if not len(tokens):
+            out.append(None)
+        elif len(tokens) == len(rows):
+            out.append((None, slots, positions))
+        else:
+            out.append((tokens, slots[tokens], positions[tokens]))
+    return tuple(out)
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:
@@ -173,26 +227,29 @@ def _spans(counts: list[int]) -> list[tuple[int, int]]:
     return [(0, split)] + ([(split, widest)] if split < widest else [])
 
 
-def _grid(group: list[int], b: int, counts: list[int], starts: list[int], prompt_counts: list[int],
-          bases: torch.Tensor, lo: int, hi: int, additive: bool) -> Grid:
-    """The grid of columns ``lo .. hi - 1`` of the new tokens of rows ``group``."""
-    slots = [i for i in group if counts[i] > lo] if lo else group
+def _grid(group: list[int], part_rows: int, part: int, slot_of: list[int], counts: list[int], starts: list[int],
+          prompt_counts: list[int], bases: torch.Tensor, lo: int, hi: int, additive: bool) -> Grid:
+    """The grid of columns ``lo .. hi - 1`` of the new tokens of rows ``group`` (of cache part
+    ``part``, which holds ``part_rows`` rows; ``slot_of``: each row's slot in its part)."""
+    members = [i for i in group if counts[i] > lo] if lo else group
     width = hi - lo
     tokens, places = [], []
-    for g, i in enumerate(slots):
+    for g, i in enumerate(members):
         for t in range(lo, min(counts[i], hi)):
             tokens.append(starts[i] + prompt_counts[i] + t)
             places.append(g * width + t - lo)
     tokens_t, scatter = torch.tensor(tokens, dtype=torch.long), torch.tensor(places, dtype=torch.long)
-    gather = torch.full((len(slots) * width,), tokens[0] if tokens else 0, dtype=torch.long)
+    gather = torch.full((len(members) * width,), tokens[0] if tokens else 0, dtype=torch.long)
     gather[scatter] = tokens_t
-    keys = int(bases[slots].max()) + hi if slots else 0
-    query_pos = bases[slots][:, None] + lo + torch.arange(width)
+    keys = int(bases[members].max()) + hi if members else 0
+    query_pos = bases[members][:, None] + lo + torch.arange(width)
     mask = (torch.arange(keys)[None, None, :] <= query_pos[:, :, None])[:, None]
     if additive:
         mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-    every = slots == list(range(b))
-    return Grid(None if every else torch.tensor(slots, dtype=torch.long), width, lo, tokens_t, scatter, gather, mask, keys)
+    slots = [slot_of[i] for i in members]
+    every = slots == list(range(part_rows))
+    return Grid(None if every else torch.tensor(slots, dtype=torch.long), width, lo, tokens_t, scatter, gather, mask,
+                keys, part)
 
 
 def prompt_mask(segment: PromptSegment, additive: bool, dtype: torch.dtype) -> torch.Tensor | None:
@@ -232,10 +289,13 @@ def _packed_attention(base: str) -> Any:
         heads, dim = query.shape[1], query.shape[3]
         out = query.new_empty(query.shape[2], heads, dim)  # [N, h, d]
         # New tokens: grids of [rows, h, w, d] queries, each row against its own keys.
+        # The cache's parts (``RowCache.update`` returns a list: one buffer per shelf).
+        keys_of = key if isinstance(key, list) else [key]
+        values_of = value if isinstance(value, list) else [value]
         for grid in packing.grids:
             if not grid.tokens.numel():  # no row feeds new tokens (a prompt chunk alone)
                 continue
-            k, v = key[:, :, : grid.keys], value[:, :, : grid.keys]
+            k, v = keys_of[grid.part][:, :, : grid.keys], values_of[grid.part][:, :, : grid.keys]
             if grid.slots is not None:
                 k, v = k.index_select(0, grid.slots), v.index_select(0, grid.slots)
             rows = k.shape[0]
@@ -246,7 +306,7 @@ def _packed_attention(base: str) -> Any:
         additive = base == "eager"
         for seg in packing.prompts:
             keys = seg.past + seg.length
-            k, v = (t[seg.row : seg.row + 1, :, :keys].to(query.dtype) for t in (key, value))
+            k, v = (t[seg.part][seg.slot : seg.slot + 1, :, :keys].to(query.dtype) for t in (keys_of, values_of))
             mask = prompt_mask(seg, additive, query.dtype)
             extra = {"prompt_rows": seg.length} if base == INVARIANT else {}
             got, _ = fn(module, query[:, :, seg.start : seg.start + seg.length], k, v,

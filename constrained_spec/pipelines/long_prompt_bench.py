@@ -12,6 +12,11 @@ prefill where it can still be selected (``prefill_chunk=0``: a prompt fed in one
   document first in the prompt: each one's seconds, the second and third reading the document's
   blocks from the prefix cache (against the same three with the cache off).
 
+With ``through_server``, the first two again through ``constrained-spec serve`` (defaults, a
+child process): its resident memory idle, at its peak and after; the long request alone, against
+the same request in process; then the same request again (its document's blocks now in the
+prefix cache, so its row is long at once) with four short ones arriving a second after it.
+
 The document is the package's 64 people documents joined (and repeated) to the asked length:
 real sentences, though a repeated list; every output is checked against its schema.
 """
@@ -212,3 +217,99 @@ def run_long_prompt_bench(tokens: int = 3900, short: int = 4, arrival: float = 1
         row.valid = sum(_valid(handle, r) for r in outcomes)
         rows.append(row)
     return rows
+
+
+@dataclass
+class ServerRow:
+    """The long request through ``constrained-spec serve``."""
+
+    rss_idle_mib: float = 0.0
+    rss_peak_mib: float = 0.0
+    rss_after_mib: float = 0.0
+    long_alone_s: float = 0.0
+    long_cached_with_short_s: float = 0.0
+    short_s: list[float] = field(default_factory=list)
+    valid: int = 0
+    outputs: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    as_dict = LongPromptRow.as_dict
+
+    @property
+    def growth_mib(self) -> float:
+        """Resident memory the long requests added at their peak."""
+        return self.rss_peak_mib - self.rss_idle_mib
+
+
+def _process_rss_mib(pid: int) -> float:
+    import os
+
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def run_long_prompt_server(tokens: int = 3900, short: int = 4, arrival: float = 1.0,
+                           progress: Callable[[str], None] = lambda _m: None) -> ServerRow:
+    """The long request, alone and with short ones beside it, through a ``serve`` child process."""
+    from ..models.loading import load_model
+    from .batch_bench import Person
+    from .extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
+    from .serve_bench import _request, server_process
+
+    tokenizer = load_model().tokenizer
+    doc = long_document(tokenizer, tokens)
+    person_fields = describe_fields(Person.model_json_schema())
+    shorts = [json.loads(line)["text"] for line in (DATA / "people.jsonl").read_text().splitlines()[:short]]
+    row = ServerRow()
+
+    def body(text: str) -> dict[str, Any]:
+        return {"model": "default", "temperature": 0, "max_tokens": 96, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": DEFAULT_PROMPT_TEMPLATE.format(fields=person_fields, text=text)}],
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "person", "schema": Person.model_json_schema(), "strict": True}}}
+
+    with server_process(16, 64) as (url, proc):
+        # The first request of a fresh server builds its caches: a short one first, as in use.
+        _request(url, body(shorts[0]), None)
+        time.sleep(1.0)
+        row.rss_idle_mib = row.rss_peak_mib = _process_rss_mib(proc.pid)
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.05):
+                row.rss_peak_mib = max(row.rss_peak_mib, _process_rss_mib(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        outcomes = []
+        try:
+            progress("through the server: the long request alone")
+            outcomes.append(_request(url, body(doc), None))
+            row.long_alone_s = outcomes[-1].seconds
+            progress(f"through the server: the long request again (document cached), {short} short ones {arrival:g} s after it")
+            results: dict[int, Any] = {}
+
+            def send(i: int, text: str) -> None:
+                results[i] = _request(url, body(text), None)
+
+            threads = [threading.Thread(target=send, args=(0, doc))]
+            threads[0].start()
+            time.sleep(arrival)
+            threads += [threading.Thread(target=send, args=(i + 1, t)) for i, t in enumerate(shorts)]
+            for t in threads[1:]:
+                t.start()
+            for t in threads:
+                t.join()
+            row.long_cached_with_short_s = results[0].seconds
+            row.short_s = [results[i + 1].seconds for i in range(len(shorts))]
+            outcomes += [results[i] for i in sorted(results)]
+        finally:
+            stop.set()
+            sampler.join()
+        time.sleep(1.0)
+        row.rss_after_mib = _process_rss_mib(proc.pid)
+    row.outputs = len(outcomes)
+    row.valid = sum(o.valid for o in outcomes)
+    row.errors = [o.error for o in outcomes if o.error]
+    return row
