@@ -125,7 +125,7 @@ class BatchEngine:
         self.prefix_cache = (prefix_cache_for(target) if prefix_cache is True else
                              prefix_cache if isinstance(prefix_cache, PrefixCache) else None)
         self.waiting: list[Request] = []
-        self.active: list[Request] = []  # active[i] lives in cache slot i
+        self.active: list[Request] = []  # active[i] is the cache's row i
         self._ids = itertools.count()
         install_packed_attention(target)
         self._invariant = invariant
@@ -255,7 +255,7 @@ class BatchEngine:
             self._close(req)
             finished.append(req)
             return
-        req.slot = self.cache.add_row(dec.cache)
+        req.slot = self.cache.add_row(dec.cache, len(dec.prompt_ids) + DRAFT_MARGIN)
         dec.cache = None  # type: ignore[assignment]  # the engine's cache holds its keys now
         self.active.append(req)
 

@@ -197,12 +197,15 @@ class RowCache(Cache):
         if not old.rows:  # its buffers go at once, not at the next release
             del self.shelves[cap]
 
-    def add_row(self, cache: DynamicCache) -> int:
-        """Take a request's single-row cache (its shared prefix, or nothing) as the next row."""
+    def add_row(self, cache: DynamicCache, positions: int = 1) -> int:
+        """Take a request's single-row cache (its shared prefix, or nothing) as the next row, on
+        the shelf for ``positions`` (what it will hold at least: its prompt), so that a prompt fed
+        chunk by chunk does not move the row from shelf to shelf (each move holds both copies
+        for a moment: a 3,900-token document's row moving from 3,072 to 4,096 positions, 644 MiB)."""
         if self.active >= self.slots:
             raise RuntimeError("RowCache is full")
         row = self.active
-        cap = self.capacity_for(max(cache.get_seq_length(), 1))
+        cap = self.capacity_for(min(max(cache.get_seq_length(), positions, 1), self.max_capacity))
         self._place.append((cap, self._seat(self._shelf(cap), row)))
         self.lengths[row] = 0
         self.active += 1
