@@ -33,7 +33,7 @@ def test_pack_rows_places_every_token_once():
     [seg] = p.prompts
     assert (seg.row, seg.start, seg.length, seg.past, seg.fed) == (1, 3, 4, 3, 6)
     assert p.key_length == 10 + 3  # the longest base (row 2: 10) plus the widest row
-    assert grid.mask.shape == (4, 1, 3, 10)  # the keys the rows' tokens need: row 0's 7 + 3
+    assert grid.mask.shape == (4, 1, 3, 10)  # row 0's and row 1's base 7 plus the width (row 2 feeds nothing)
     assert grid.mask[1, 0, 0].nonzero().flatten().tolist() == list(range(8))  # row 1's first new token: position 7
     assert grid.mask[0, 0, 2].nonzero().flatten().tolist() == list(range(10))
 
@@ -77,20 +77,20 @@ def test_rows_of_very_different_lengths_attend_in_grids_of_their_own():
     p = pack_rows(lengths, [2, 1, 3, 1])
     assert len(p.grids) == 2 and p.key_length == 4000 + 3
     short, long = sorted(p.grids, key=lambda g: g.keys)
-    assert short.slots.tolist() == [0, 2, 3] and short.keys == 350 + 1 and short.mask.shape == (3, 1, 3, 351)
+    assert short.slots.tolist() == [0, 2, 3] and short.keys == 350 + 3 and short.mask.shape == (3, 1, 3, 353)
     assert long.slots.tolist() == [1] and long.keys == 4001 and long.width == 1
     assert sorted(short.tokens.tolist() + long.tokens.tolist()) == list(range(7))
     waiting = pack_rows(lengths, [2, 0, 3, 1])
     [grid] = waiting.grids
-    assert grid.slots.tolist() == [0, 2, 3] and grid.keys == 351
+    assert grid.slots.tolist() == [0, 2, 3] and grid.keys == 353
     near = pack_rows(torch.tensor([300, 500, 280]), [2, 0, 1])  # similar lengths: one grid over all, no gather
     assert [g.slots for g in near.grids] == [None]
 
 
 def test_a_shelf_grid_spans_only_the_keys_its_rows_tokens_need():
     """Two rows on one shelf of 16: one full and feeding nothing, one feeding 4 tokens after 5.
-    Their grid reads the shelf's view and spans the shelf's 16 keys, not the full row's 16 plus
-    the width (which would lie past the shelf)."""
+    Their grid reads the shelf's view and spans 9 keys (the feeding row's 5 plus the width), not
+    the full row's 16 plus the width, which would lie past the shelf."""
     from transformers import DynamicCache
 
     from constrained_spec.decoding.rowcache import RowCache
@@ -103,8 +103,46 @@ def test_a_shelf_grid_spans_only_the_keys_its_rows_tokens_need():
     cache.reserve_row(1, 9)
     assert cache.parts() == [[0, 1]]
     [grid] = pack_rows(cache.lengths[:2], [0, 4], parts=cache.parts()).grids
-    assert grid.slots is None and grid.keys == 16 and grid.mask.shape == (2, 1, 4, 16)
+    assert grid.slots is None and grid.keys == 9 and grid.mask.shape == (2, 1, 4, 9)
     assert grid.mask[1, 0].sum(-1).tolist() == [6, 7, 8, 9]
+
+
+def test_every_query_lies_where_the_kernels_take_it_and_within_its_shelf():
+    """Random layouts on shelves: in every grid, each row's real query in column ``t`` sits at
+    key ``keys - width + t`` or before (the kernels' causal assumption, ``models.invariant``),
+    and no grid spans past a shelf once the rows that feed have room for the widest row."""
+    import random
+
+    from transformers import DynamicCache
+
+    from constrained_spec.decoding.rowcache import RowCache
+
+    rng = random.Random(3)
+    for _ in range(200):
+        cache = RowCache(num_layers=1, slots=6, max_capacity=4096, capacity=16)
+        b = rng.randint(1, 6)
+        for _ in range(b):
+            n = rng.choice([0, 3, 15, 16, 31, 32, 60])
+            row = cache.add_row(DynamicCache())
+            if n:
+                block = [torch.zeros(1, n, 2, dtype=torch.float64)]
+                cache.append(row, block, block)
+        counts = [rng.choice([0, 1, 1, 2, 5, 13]) for _ in range(b)]
+        if not any(counts):
+            counts[0] = 1
+        for i in range(b):
+            cache.reserve_row(i, int(cache.lengths[i]) + (max(counts) if counts[i] else 0))
+        p = pack_rows(cache.lengths[:b], counts, parts=cache.parts())
+        capacity = [cache.capacity_of(i) for i in range(b)]
+        for grid in p.grids:
+            rows = cache.parts()[grid.part] if grid.slots is None else [cache.parts()[grid.part][s] for s in grid.slots.tolist()]
+            assert grid.keys <= min(capacity[i] for i in rows)
+            for g, i in enumerate(rows):
+                for t in range(grid.offset, min(counts[i], grid.offset + grid.width)):
+                    col = t - grid.offset
+                    position = int(cache.lengths[i]) + t
+                    assert position <= grid.keys - grid.width + col
+                    assert grid.mask[g, 0, col, : position + 1].all() and not grid.mask[g, 0, col, position + 1 :].any()
 
 
 def test_a_joining_prompt_gets_its_own_first_pass_bit_for_bit(native, monkeypatch):

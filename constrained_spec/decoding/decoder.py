@@ -244,14 +244,17 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         tokens = self.prompt_ids[:-1]
         chunks = prompt_chunks(tokens, self.prefix_len, self.prefill_chunk)
-        loaded = load_blocks(self.cache, chunks, self.prefix_cache, self.device)
+        # In a batch engine the cached blocks go straight into its row cache (``_catch_up``):
+        # loaded here first, a long document's keys would be held twice for a moment.
+        batched = self.in_batch and self._batch_invariant
+        loaded = 0 if batched else load_blocks(self.cache, chunks, self.prefix_cache, self.device)
         self.stats.prefix_cached_tokens = chunks[loaded - 1].end if loaded else 0
         rest = chunks[loaded:]
         if len(rest) > 1 and not self._batch_invariant:
             prefill_alone(self.target, self.cache, tokens, rest[:-1])
             self._store(rest[:-1])
             rest = rest[-1:]
-        elif len(rest) > 1 and self.in_batch:
+        elif len(rest) > 1 and batched:
             self.prompt_chunks, rest = rest[:-1], rest[-1:]
         self._pending_chunks = rest
         self._prefilled = rest[0].start if rest else len(tokens)

@@ -347,8 +347,9 @@ class BatchEngine:
             counts[i], prompts[i] = len(p.tokens) - p.first, p.first
         for i, c in feeding.items():
             prompts[i] = c.length
-        for i in range(b):  # room for what each row feeds (a row may move to a larger shelf)
-            self.cache.reserve_row(i, int(self.cache.lengths[i]) + prompts[i] + counts[i])
+        widest = max(counts)
+        for i in range(b):  # room for what each row feeds, up to its grid's width (``packing._grid``)
+            self.cache.reserve_row(i, int(self.cache.lengths[i]) + prompts[i] + (widest if counts[i] else 0))
         packing = pack_rows(self.cache.lengths, counts, prompts, additive=self._additive_mask, parts=self.cache.parts())
         self.step_tokens.append(packing.tokens)
         self.step_chunk_tokens.append(chunk_tokens)
@@ -420,7 +421,8 @@ class BatchEngine:
 
     def _catch_up(self) -> None:
         """Copy into each prefilling row the chunks it has yet to feed that the prefix cache
-        now holds (another row fed them: requests that share a template and joined together)."""
+        holds: cached before it joined, or fed since by another row (requests that share a
+        template and joined together)."""
         if self.prefix_cache is None:
             return
         for slot, req in enumerate(self.active):

@@ -64,8 +64,8 @@ class Grid:
     new tokens it holds; ``tokens`` the packed indices of its tokens, ``scatter`` their places
     in the block (``row * width + col``), ``gather`` the block's packed indices (padding points
     at one of its tokens, the result is dropped), ``mask`` ``[rows, 1, width, keys]``: each query
-    sees its own row's keys up to its own position; ``keys`` the key positions its rows' tokens
-    span (a padded query sees at most these; its result is dropped)."""
+    sees its own row's keys up to its own position; ``keys`` the key positions its rows with
+    tokens span up to the grid's last column."""
 
     slots: torch.Tensor | None
     width: int
@@ -242,9 +242,13 @@ def _grid(group: list[int], part_rows: int, part: int, slot_of: list[int], count
     tokens_t, scatter = torch.tensor(tokens, dtype=torch.long), torch.tensor(places, dtype=torch.long)
     gather = torch.full((len(members) * width,), tokens[0] if tokens else 0, dtype=torch.long)
     gather[scatter] = tokens_t
-    # The keys its rows' tokens attend to, no more: a row that feeds fewer columns (or none) may
-    # sit at its shelf's capacity, so ``base + hi`` could lie past it.
-    keys = max((int(bases[i]) + min(counts[i], hi) for i in members), default=0)
+    # The attention kernels take the grid's queries to be its last ``width`` key positions
+    # (``models.invariant._allowed``: query ``t`` sees keys up to ``keys - width + t``, anded
+    # with the mask), so ``keys`` is the furthest ``base + hi`` over the rows with a token in
+    # the grid; a row with none (a full shelf's row sitting the step out) does not count, or
+    # ``keys`` could lie past its shelf. The engine reserves ``base + widest`` for every row
+    # that feeds new tokens.
+    keys = max((int(bases[i]) + hi for i in members if counts[i] > lo), default=0)
     query_pos = bases[members][:, None] + lo + torch.arange(width)
     mask = (torch.arange(keys)[None, None, :] <= query_pos[:, :, None])[:, None]
     if additive:
