@@ -61,19 +61,23 @@ def long_document(tokenizer: Any, tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-def _rss_mib() -> float:
-    """This process's resident memory (Linux)."""
+def _rss_mib(pid: int | str = "self") -> float:
+    """A process's resident memory (Linux; default: this one's)."""
     import os
 
-    with open("/proc/self/statm") as f:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class _PeakMemory:
-    """The peak resident memory while the ``with`` block runs (sampled every 50 ms)."""
+    """The peak resident memory of process ``pid`` (default: this one) while the ``with`` block
+    runs (sampled every 50 ms)."""
+
+    def __init__(self, pid: int | str = "self") -> None:
+        self.pid = pid
 
     def __enter__(self) -> "_PeakMemory":
-        self.peak = _rss_mib()
+        self.peak = _rss_mib(self.pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -81,12 +85,12 @@ class _PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, _rss_mib())
+            self.peak = max(self.peak, _rss_mib(self.pid))
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss_mib())
+        self.peak = max(self.peak, _rss_mib(self.pid))
 
 
 @dataclass
@@ -241,13 +245,6 @@ class ServerRow:
         return self.rss_peak_mib - self.rss_idle_mib
 
 
-def _process_rss_mib(pid: int) -> float:
-    import os
-
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def run_long_prompt_server(tokens: int = 3900, short: int = 4, arrival: float = 1.0,
                            progress: Callable[[str], None] = lambda _m: None) -> ServerRow:
     """The long request, alone and with short ones beside it, through a ``serve`` child process."""
@@ -273,17 +270,9 @@ def run_long_prompt_server(tokens: int = 3900, short: int = 4, arrival: float = 
         # The first request of a fresh server builds its caches: a short one first, as in use.
         _request(url, body(shorts[0]), None)
         time.sleep(1.0)
-        row.rss_idle_mib = row.rss_peak_mib = _process_rss_mib(proc.pid)
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.wait(0.05):
-                row.rss_peak_mib = max(row.rss_peak_mib, _process_rss_mib(proc.pid))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        row.rss_idle_mib = _rss_mib(proc.pid)
         outcomes = []
-        try:
+        with _PeakMemory(proc.pid) as peak:
             progress("through the server: the long request alone")
             outcomes.append(_request(url, body(doc), None))
             row.long_alone_s = outcomes[-1].seconds
@@ -304,11 +293,9 @@ def run_long_prompt_server(tokens: int = 3900, short: int = 4, arrival: float = 
             row.long_cached_with_short_s = results[0].seconds
             row.short_s = [results[i + 1].seconds for i in range(len(shorts))]
             outcomes += [results[i] for i in sorted(results)]
-        finally:
-            stop.set()
-            sampler.join()
+        row.rss_peak_mib = peak.peak
         time.sleep(1.0)
-        row.rss_after_mib = _process_rss_mib(proc.pid)
+        row.rss_after_mib = _rss_mib(proc.pid)
     row.outputs = len(outcomes)
     row.valid = sum(o.valid for o in outcomes)
     row.errors = [o.error for o in outcomes if o.error]
