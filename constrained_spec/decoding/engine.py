@@ -25,6 +25,7 @@ a batched row differently by ~1e-5, which can flip an exact near-tie.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -446,9 +447,7 @@ class BatchEngine:
 
     def _store_blocks(self, slot: int, chunks: list[Chunk]) -> None:
         """Keep the blocks of ``chunks`` (held by the row in ``slot``) in the prefix cache."""
-        cache = self.cache
-        store_blocks(self.prefix_cache, chunks,
-                     lambda s, e: cache.block(slot, s, e),
+        store_blocks(self.prefix_cache, chunks, functools.partial(self.cache.block, slot),
                      getattr(self.target, "dtype", None))
 
     def _budget(self, live: list[tuple[int, StepPlan]], chunk_tokens: int = 0) -> list[tuple[int, StepPlan]]:

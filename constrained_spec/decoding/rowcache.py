@@ -121,7 +121,7 @@ class RowCache(Cache):
         if positions > self.max_capacity:
             raise ValueError(f"A row needs {positions} positions; the model's context holds {self.max_capacity}.")
         cap = doubled_to(self.initial_capacity, positions)
-        if cap > DOUBLING_LIMIT and positions > DOUBLING_LIMIT:
+        if positions > DOUBLING_LIMIT:
             cap = -(-positions // LARGE_STEP) * LARGE_STEP
         return min(max(cap, self.initial_capacity), self.max_capacity)
 
@@ -184,14 +184,10 @@ class RowCache(Cache):
         if positions <= cap:
             return
         new = self.capacity_for(positions)
-        n = int(self.lengths[row])
         target = self._shelf(new)
         to = self._seat(target, row)
         old = self.shelves[cap]
-        for dst, src in ((target.keys, old.keys), (target.values, old.values)):
-            for i, buf in enumerate(src):
-                if buf is not None:
-                    target.buffer(dst, i, buf)[to, :, :n] = buf[slot, :, :n]
+        _copy_row(old, slot, target, to, int(self.lengths[row]))
         self._unseat(cap, slot)
         self._place[row] = (new, to)
         if not old.rows:  # its buffers go at once, not at the next release
@@ -294,11 +290,7 @@ class RowCache(Cache):
         last = len(shelf.rows) - 1
         if slot != last:
             moved = shelf.rows[last]
-            n = int(self.lengths[moved])
-            for store in (shelf.keys, shelf.values):
-                for buf in store:
-                    if buf is not None:
-                        buf[slot, :, :n] = buf[last, :, :n]
+            _copy_row(shelf, last, shelf, slot, int(self.lengths[moved]))
             shelf.rows[slot] = moved
             self._place[moved] = (cap, slot)
         shelf.rows.pop()
@@ -315,6 +307,15 @@ class RowCache(Cache):
     def allocated_bytes(self) -> int:
         """Bytes held by the buffers now."""
         return sum(s.nbytes for s in self.shelves.values())
+
+
+def _copy_row(src: Shelf, src_slot: int, dst: Shelf, dst_slot: int, n: int) -> None:
+    """Copy positions ``0 .. n - 1`` of ``src``'s slot into ``dst``'s (the same shelf or a larger
+    one), in every layer written so far."""
+    for dst_store, src_store in ((dst.keys, src.keys), (dst.values, src.values)):
+        for i, buf in enumerate(src_store):
+            if buf is not None:
+                dst.buffer(dst_store, i, buf)[dst_slot, :, :n] = buf[src_slot, :, :n]
 
 
 def doubled_to(start: int, at_least: int) -> int:
