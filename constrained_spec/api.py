@@ -11,13 +11,15 @@ import itertools
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
 from .decoding.prefix import MIN_PREFIX, shared_prefix_length
 from .drafters import Drafter, build_drafter
-from .drafters.head import DraftHead, head_for, is_head_dir
+from .drafters.corpus import OutputCorpus, corpus_in, has_corpus
+from .drafters.head import DraftHead, head_for, is_head_dir, shipped_head_dir
 from .errors import (
     InvalidOptionError, InvalidPromptError, InvalidRegexError, OutputValidationError, RepetitionError, TokenizerMismatchError,
     TokenLimitError,
@@ -138,10 +140,12 @@ class RequestParts:
 @dataclass(frozen=True)
 class DraftSource:
     """What a request drafts with besides the model-free drafters: a draft model (same
-    tokenizer) and / or a learned head for the target (``drafters.head``)."""
+    tokenizer), a learned head for the target (``drafters.head``) and / or a corpus of the
+    target's own outputs (``drafters.corpus``)."""
 
     model: ModelHandle | None = None
     head: DraftHead | None = None
+    corpus: OutputCorpus | None = None
 
 
 def prepare_request(handle: ModelHandle, draft: DraftSource | None, compiled: CompiledConstraint,
@@ -165,7 +169,8 @@ def prepare_request(handle: ModelHandle, draft: DraftSource | None, compiled: Co
     # Raises InvalidOptionError for drafter="model" without a draft model (still before any forward).
     drafter = build_drafter(opts.drafter_kind, matcher, handle.tokenizer,
                             draft_model=draft.model.model if draft and draft.model else None,
-                            head=draft.head if draft else None, temperature=opts.temperature, source_text=prompt)
+                            head=draft.head if draft else None, corpus=draft.corpus if draft else None,
+                            temperature=opts.temperature, source_text=prompt)
     profile, k_max = opts.resolve_k_max(task)
     policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name)
     return RequestParts(prompt_ids, matcher, drafter, policy, profile, prefix_len)
@@ -174,15 +179,16 @@ def prepare_request(handle: ModelHandle, draft: DraftSource | None, compiled: Co
 def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> DraftSource | None:
     """What the request's drafter drafts with, checked against the target's tokenizer.
 
-    ``draft``: None (nothing learned for "auto" / "hybrid"; the shipped head for "head"), True
-    (the head the package ships for this model), False (no learned draft), a directory saved by
-    ``train-drafter`` (a head), a ``DraftHead``, a ``DraftSource``, or a draft model in any form
-    ``resolve_model`` takes.
+    ``draft``: None (for "auto" / "hybrid" the corpus of the target's outputs the package ships
+    for this model, if any; for "head" the shipped head), True (the shipped head and corpus),
+    False (nothing learned), a directory saved by ``train-drafter`` (its head and corpus), a
+    ``DraftHead``, a ``DraftSource``, or a draft model in any form ``resolve_model`` takes
+    (with the shipped corpus for "hybrid").
 
-    Why "auto" does not take the shipped head unless asked: measured on this CPU (README, "A
-    learned draft head"), asking the head where forced text, copies and lookup have nothing costs
-    a head step each time, more than its drafts there save even gated by its confidence: auto
-    with it ran at 0.94x of auto without it on held-out generation prompts and on extraction.
+    Why "auto" takes the shipped corpus but not the shipped head unless asked: the corpus is
+    free to ask (an index lookup per token), while asking the head where forced text, copies,
+    lookup and the corpus have nothing costs a head step each time, more than its drafts there
+    save on this CPU (README, "A learned draft head").
     """
     if isinstance(draft, DraftSource):
         return draft
@@ -190,24 +196,27 @@ def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> DraftSo
     if draft is False or kind not in ("model", "head", "hybrid"):
         return None
     fingerprint = handle.vocabulary.fingerprint
+    shipped = shipped_head_dir(handle.model, fingerprint)
+    corpus = corpus_in(shipped, fingerprint) if shipped is not None and kind == "hybrid" else None
     if draft is None or draft is True:
-        if kind == "model" or (draft is None and kind == "hybrid"):
+        if kind == "model":
             return None
-        head = head_for(handle.model, fingerprint)
+        head = head_for(handle.model, fingerprint) if draft is True or kind == "head" else None
         if head is None and draft is True:
             raise InvalidOptionError(f"Invalid draft: no draft head ships for {handle.name!r}; train one with "
                                      "constrained-spec train-drafter and pass its directory.")
-        return DraftSource(head=head) if head is not None else None
+        return DraftSource(head=head, corpus=corpus) if head is not None or corpus is not None else None
     if isinstance(draft, DraftHead):
         if draft.config.tokenizer_fingerprint != fingerprint:
             raise TokenizerMismatchError("Invalid draft: the draft head was trained for another tokenizer than the "
                                          "target's; train one with constrained-spec train-drafter.")
         return DraftSource(head=draft)
-    if is_head_dir(draft):
-        return DraftSource(head=head_for(handle.model, fingerprint, draft))
+    if is_head_dir(draft) or (isinstance(draft, (str, Path)) and has_corpus(draft)):
+        return DraftSource(head=head_for(handle.model, fingerprint, draft) if is_head_dir(draft) else None,
+                           corpus=corpus_in(draft, fingerprint))
     draft_handle = resolve_model(draft, role="draft")
     check_same_tokenizer(handle, draft_handle)
-    return DraftSource(model=draft_handle)
+    return DraftSource(model=draft_handle, corpus=corpus)
 
 
 def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], CompiledConstraint], prompt: str,
@@ -255,10 +264,11 @@ def generate_json(
             ``JsonSchema`` from ``load_schema``.
         prompt: the user message; it goes through the model's chat template when it has one.
             The schema is not added to it: say in the prompt what to extract.
-        draft: what "auto" drafts with besides forced text, copies and lookup: None (nothing
-            more; ``drafter="head"`` then takes the shipped head), True (the draft head the
-            package ships for the model), False (none), a directory from ``constrained-spec
-            train-drafter`` (a head), or a draft model with the same tokenizer for
+        draft: what "auto" drafts with besides forced text, copies and lookup: None (the
+            corpus of the model's own outputs the package ships for it, if any;
+            ``drafter="head"`` then takes the shipped head), True (the shipped draft head and
+            corpus), False (nothing learned), a directory from ``constrained-spec
+            train-drafter`` (its head and corpus), or a draft model with the same tokenizer for
             ``drafter="model"`` / ``"hybrid"`` (same forms as ``model``).
         options: a ``SpecOptions``; keyword arguments override its fields. The options:
             ``drafter`` ("auto"), ``k_max``, ``adaptive``, ``profile``, ``temperature`` (0:

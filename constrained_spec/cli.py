@@ -42,8 +42,8 @@ def _draft_value(value: Optional[str]) -> Any:
     return True if isinstance(value, str) and value.lower() == "shipped" else value
 
 
-DraftOpt = typer.Option(None, "--draft", callback=_draft_value, help="What auto drafts with besides forced text, copies and lookup: shipped (the model's shipped draft head), a head directory from train-drafter, a draft model id or path (same tokenizer), or none.")
-DrafterOpt = typer.Option("auto", "--drafter", help="none | model | head | lookup | grammar | hybrid | auto (= hybrid: forced text, copy from the prompt, lookup, then the head / --draft).")
+DraftOpt = typer.Option(None, "--draft", callback=_draft_value, help="What auto drafts with besides forced text, copies and lookup (default: the corpus of the model's own outputs the package ships for it): shipped (the shipped draft head too), a directory from train-drafter (its head and corpus), a draft model id or path (same tokenizer), or none (nothing learned).")
+DrafterOpt = typer.Option("auto", "--drafter", help="none | model | head | lookup | grammar | hybrid | auto (= hybrid: forced text, copy from the prompt, lookup, the shipped corpus, then the head / --draft).")
 TempOpt = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples exactly from the masked target.")
 SeedOpt = typer.Option(None, "--seed", help="Seed for sampling.")
 MaxOpt = typer.Option(512, "--max-new-tokens", help="Generation limit.")
@@ -647,18 +647,23 @@ def drafter_data_cmd(
     per_subset: int = typer.Option(40, "--per-subset", help="Prompts of each kind (generation, extraction) per subset."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="The JSONSchemaBench subsets (default: ../shared/data/jsonschemabench or $CONSTRAINED_SPEC_SCHEMA_DATA)."),
     seed: int = typer.Option(0, "--seed"),
+    kinds: str = typer.Option("generation,extraction", "--kinds", help="The kinds of subset prompts written (generation, extraction or both, comma-separated); the repository's examples are always in."),
 ) -> None:
     """Write training prompts for train-drafter: generation and extraction prompts from every
     JSONSchemaBench subset except Glaiveai2K (kept for evaluation), and the repository's examples."""
     def go() -> None:
-        from .pipelines.drafter_data import training_prompts, write_jsonl
+        from .pipelines.drafter_data import PROMPT_KINDS, training_prompts, write_jsonl
 
         if per_subset < 1:
             raise InvalidOptionError(f"Invalid --per-subset: expected at least 1, got {per_subset}.")
-        rows = training_prompts(data_dir, per_subset=per_subset, seed=seed)
+        chosen = tuple(k.strip() for k in kinds.split(",") if k.strip())
+        if not chosen or any(k not in PROMPT_KINDS for k in chosen):
+            raise InvalidOptionError(f"Invalid --kinds: expected a comma-separated subset of {', '.join(PROMPT_KINDS)}, "
+                                     f"got {kinds!r}.")
+        rows = training_prompts(data_dir, per_subset=per_subset, seed=seed, kinds=chosen)
         write_jsonl(rows, out)
-        kinds = {k: sum(r["kind"] == k for r in rows) for k in ("generation", "extraction")}
-        err.print(f"{len(rows)} prompts ({kinds['generation']} generation, {kinds['extraction']} extraction) -> {out}")
+        counts = {k: sum(r["kind"] == k for r in rows) for k in PROMPT_KINDS}
+        err.print(f"{len(rows)} prompts ({counts['generation']} generation, {counts['extraction']} extraction) -> {out}")
 
     _run_guarded(go)
 
@@ -680,16 +685,18 @@ def train_drafter_cmd(
     resume: bool = typer.Option(True, "--resume/--fresh", help="Take up a checkpoint in --out from the same data and options."),
     batch: Optional[int] = typer.Option(None, "--batch", help="Training outputs decoded at once in the batch engine (default 16; 1: one at a time)."),
     seed: int = typer.Option(0, "--seed"),
+    corpus_only: bool = typer.Option(False, "--corpus-only", help="Only decode the prompts greedily and write the corpus of the target's outputs to --out (no head; no budget needed)."),
 ) -> None:
     """Train a grammar-masked draft head for the target on its own constrained outputs
-    (on-policy distillation, EAGLE-3 style; see pipelines.train_drafter)."""
+    (on-policy distillation, EAGLE-3 style; see pipelines.train_drafter), and write the corpus
+    of those outputs beside it (drafters.corpus)."""
     def go() -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         from .models import load_model
-        from .pipelines.train_drafter import DECODE_BATCH, TrainProgress, train_drafter
+        from .pipelines.train_drafter import DECODE_BATCH, TrainProgress, build_corpus, train_drafter
 
-        if minutes is None and steps is None:
+        if minutes is None and steps is None and not corpus_only:
             raise InvalidOptionError("Invalid training budget: give --minutes or --steps.")
         handle = load_model(target, precision=precision)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -706,6 +713,11 @@ def train_drafter_cmd(
                 if not err.is_terminal and (p.loss is not None or p.done % 10 == 0 or p.done == p.total):
                     err.print(f"{p.phase} {p.done}/{p.total} {info}")  # a log file gets lines, not a bar
 
+            if corpus_only:
+                corpus = build_corpus(handle, data, out, max_new_tokens=max_new_tokens, limit=limit,
+                                      batch=DECODE_BATCH if batch is None else batch, progress=progress)
+                _report({"corpus_tokens": len(corpus), "out": str(out)}, None)
+                return
             report = train_drafter(handle, data, out, minutes=minutes, steps=steps, draft_vocab=draft_vocab,
                                    sampled=sampled, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                                    unroll=unroll, lr=lr, resume=resume, batch=DECODE_BATCH if batch is None else batch,

@@ -66,3 +66,26 @@ def test_model_drafter_with_itself_as_draft(smol):
     value, stats = generate_json(smol, schema, prompt, draft=smol, drafter="model", k_max=3, return_stats=True)
     assert value == base
     assert stats.drafter == "model" and stats.acceptance_rate == 1.0
+
+
+def test_auto_drafts_from_the_shipped_corpus_and_equals_target_only_on_held_out_generation(smol):
+    """The package ships the embedded model's corpus of its own outputs: auto uses it by
+    default (draft=False not), and the output stays the target-only output."""
+    from constrained_spec.api import resolve_draft
+    from constrained_spec.decoding import SpecOptions
+    from constrained_spec.pipelines.drafter_data import generation_workload
+
+    source = resolve_draft(None, smol, SpecOptions(drafter="auto"))
+    assert source is not None and source.corpus is not None and source.head is None and len(source.corpus) > 10_000
+    assert resolve_draft(False, smol, SpecOptions(drafter="auto")) is None
+    items = generation_workload(limit=2)
+    if not items:
+        pytest.skip("no Glaiveai2K schemas here")
+    drafted = 0
+    for item in items:
+        base = generate_json(smol, item["schema"], item["prompt"], drafter="none", max_new_tokens=128)
+        spec, stats = generate_json(smol, item["schema"], item["prompt"], max_new_tokens=128, return_stats=True)
+        off = generate_json(smol, item["schema"], item["prompt"], draft=False, max_new_tokens=128)
+        assert spec == base == off
+        drafted += stats.per_kind.get("corpus", {}).get("drafted", 0)
+    assert drafted > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -47,6 +48,10 @@ def test_train_drafter_saves_a_head_that_draft_dir_loads(smol, tmp_path):
     report = json.loads(res.stdout[res.stdout.index("{"):])
     assert report["steps"] == 4 and report["sequences"] >= 2 and 0 < report["draft_vocab"] <= 600
     assert (out / "head.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    from constrained_spec.drafters.corpus import OutputCorpus
+
+    corpus = OutputCorpus.load(out, smol.vocabulary.fingerprint)  # the decoded outputs, indexed beside the head
+    assert len(corpus) > 0 and (corpus.tokens < 0).sum() >= report["sequences"]  # greedy and sampled outputs
     schema, prompt = rows[0]["schema"], "A flat in Lyon with 3 rooms, as JSON."
     ref = generate_json(smol, schema, prompt, drafter="none", max_new_tokens=40)
     value, stats = generate_json(smol, schema, prompt, draft=str(out), return_stats=True, max_new_tokens=40)
@@ -57,6 +62,41 @@ def test_train_drafter_saves_a_head_that_draft_dir_loads(smol, tmp_path):
     again = runner.invoke(app, args)  # resumed: the decoded outputs and the checkpoint are reused
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout[again.stdout.index("{"):])["decode_seconds"] < report["decode_seconds"]
+
+
+def test_train_drafter_corpus_only_writes_the_greedy_outputs_corpus(smol, tmp_path):
+    from constrained_spec import generate_regex
+    from constrained_spec.drafters.corpus import OutputCorpus
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": "Give a US phone number.", "regex": r"\(\d{3}\) \d{3}-\d{4}"},
+            {"prompt": "Write an example person as JSON.",
+             "schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = runner.invoke(app, ["train-drafter", "--data", str(data), "--out", str(tmp_path / "c"), "--corpus-only",
+                              "--max-new-tokens", "24"])
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "c" / "head.safetensors").exists()
+    corpus = OutputCorpus.load(tmp_path / "c", smol.vocabulary.fingerprint)
+    ends = np.flatnonzero(corpus.tokens < 0)
+    sequences = [s[:-1].tolist() for s in np.split(corpus.tokens, ends + 1)[:-1]]  # each ends in -1
+    assert len(sequences) == 2  # one greedy output per prompt, nothing sampled
+    phone = generate_regex(smol, rows[0]["regex"], rows[0]["prompt"], drafter="none", max_new_tokens=24)
+    assert smol.tokenizer.decode(sequences[0], skip_special_tokens=True) == phone
+    assert json.loads(res.stdout[res.stdout.index("{"):])["corpus_tokens"] == len(corpus)
+
+
+@needs_data
+def test_drafter_data_writes_the_kinds_asked(tmp_path):
+    res = runner.invoke(app, ["drafter-data", "--out", str(tmp_path / "g.jsonl"), "--per-subset", "2", "--kinds", "generation"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
+    subset_rows = [r for r in rows if not r["id"].startswith("repo/")]
+    assert subset_rows and {r["kind"] for r in subset_rows} == {"generation"}
+    both = training_prompts(DATA, per_subset=2)
+    assert [r for r in both if r["kind"] == "generation"] == subset_rows  # the same schemas either way
+    res = runner.invoke(app, ["drafter-data", "--out", str(tmp_path / "x.jsonl"), "--kinds", "summaries"])
+    assert res.exit_code == 2 and "Invalid --kinds" in res.output
 
 
 def test_train_drafter_refuses_bad_input(tmp_path):

@@ -30,6 +30,7 @@ from .linefit import LineSums
 #: independent along a span (a copied value is usually right or wrong at its first token),
 #: and one alpha per kind would make long spans look too risky to verify.
 PRIOR_ALPHA = {"grammar": 0.85, "grammar+": 0.95, "copy": 0.6, "copy+": 0.85, "lookup": 0.5, "lookup+": 0.75,
+               "corpus": 0.45, "corpus+": 0.6,
                "model": 0.6, "model+": 0.6, "head": 0.6, "head+": 0.6}
 #: Prior cost of one extra verified token, as a fraction of a one-token forward (CPU, measured).
 PRIOR_C_VERIFY = 0.1

@@ -30,8 +30,9 @@ class SpecOptions:
         drafter: "none" (target-only), "model" (a draft LM; needs ``draft=``), "head" (a
             learned draft head over the target's features; the shipped one or ``draft=DIR``),
             "lookup" (prompt lookup), "grammar" (text the constraint forces), "hybrid" (forced
-            text, then a copy from the prompt, then lookup, then the head and the draft model
-            when ``draft=`` names them), "auto" (= hybrid).
+            text, then a copy from the prompt, then lookup, then the corpus of the target's own
+            outputs the package ships for it, then the head and the draft model when
+            ``draft=`` names them), "auto" (= hybrid).
         k_max: the most tokens verified per step; None: from the hardware / task profile.
         adaptive: choose K each step from online acceptance and cost estimates (else K = k_max).
         profile: hardware profile for K_max ("cpu", "a100-80gb", "h100-80gb", "h100-80gb-x8",

@@ -8,6 +8,7 @@ from ..constraint import Matcher, vocabulary_of
 from ..errors import InvalidOptionError
 from .base import Drafter
 from .copy import CopyDrafter
+from .corpus import CorpusDrafter
 from .grammar import GrammarDrafter
 from .head import HeadDrafter
 from .hybrid import HybridDrafter
@@ -19,17 +20,19 @@ DRAFTER_NAMES: tuple[str, ...] = ("none", "model", "head", "lookup", "grammar", 
 
 
 def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: Any = None, head: Any = None,
-                  temperature: float = 0.0, source_text: str | None = None) -> Drafter | None:
+                  corpus: Any = None, temperature: float = 0.0, source_text: str | None = None) -> Drafter | None:
     """The drafter called ``name`` for one request (None for "none").
 
     Args:
         name: one of ``DRAFTER_NAMES`` ("auto" is "hybrid": forced text, then a copy from the
-            prompt, then lookup, then the learned ``head`` and ``draft_model`` when given).
+            prompt, then lookup, then the ``corpus`` of the target's outputs, the learned
+            ``head`` and ``draft_model`` when given).
         matcher: the request's matcher; every part walks it.
         tokenizer: the target's Hugging Face tokenizer (to tokenize forced and copied text).
         draft_model: a causal LM with the same tokenizer, for "model" (required) and "hybrid".
         head: a ``DraftHead`` for the target, for "head" (required) and "hybrid" (None or
             False: none).
+        corpus: an ``OutputCorpus`` of the target's outputs, for "hybrid" (None: none).
         temperature: the draft model's sampling temperature (0: its argmax, q one-hot).
         source_text: the text a copy drafter copies from (the user's prompt, not the chat template).
     """
@@ -57,7 +60,8 @@ def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: A
     if name == "grammar":
         return grammar
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-    # Free drafts first (forced text, a copy from the prompt, lookup); then the head, which
+    # Free drafts first (forced text, a copy from the prompt, lookup, the target's past
+    # outputs: the K policy ranks them per position by their acceptance); then the head, which
     # reads the target and drafts each token only where its acceptance, estimated at its
     # confidence, pays for its cost (the K policy's costly_gate); a draft model last (its
     # length from draft_room). Measured: the head before lookup made
@@ -66,6 +70,7 @@ def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: A
         grammar,
         CopyDrafter(matcher, tokenize, decode, source=source_text),
         LookupDrafter(matcher, ignore=structural_tokens(vocabulary_of(tokenizer))),
+        CorpusDrafter(corpus, matcher) if corpus is not None else None,
         head_drafter,
         model,
     ]

@@ -37,23 +37,27 @@ class BenchConfig:
     drafter: str
     k_max: int | None = None
     adaptive: bool = True
-    #: ``draft=`` of the request: None (auto's default: no learned draft), True for the shipped head.
+    #: ``draft=`` of the request: None (auto's default: the shipped corpus where the model has
+    #: one), True for the shipped head as well, False for no learned draft.
     draft: Any = None
 
 
 HEAD_CONFIG = "auto + shipped head (draft=True)"
+NO_LEARNED_CONFIG = "auto, nothing learned (draft=False)"
 
 
 def default_configs(fixed_ks: tuple[int, ...] = (4, 8, 12, 16, 20), *, head: bool = False) -> list[BenchConfig]:
     """Target-only, each drafter alone, hybrid at fixed K values, and hybrid adaptive (the
-    default); with ``head`` (the model ships one) also the head alone and auto with it."""
+    default); with ``head`` (the model ships a head and a corpus) also the head alone, auto
+    with the head, and auto without either (``draft=False``)."""
     return [
         BenchConfig(BASELINE, "none"),
         BenchConfig("lookup", "lookup"),
         BenchConfig("grammar", "grammar"),
         *([BenchConfig("head", "head")] if head else []),
         *[BenchConfig(f"hybrid, fixed K={k}", "hybrid", k, adaptive=False) for k in fixed_ks],
-        *([BenchConfig(HEAD_CONFIG, "hybrid", draft=True)] if head else []),
+        *([BenchConfig(HEAD_CONFIG, "hybrid", draft=True), BenchConfig(NO_LEARNED_CONFIG, "hybrid", draft=False)]
+          if head else []),
         BenchConfig(DEFAULT_CONFIG, "hybrid"),
     ]
 

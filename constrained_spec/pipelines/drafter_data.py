@@ -30,6 +30,10 @@ MAX_SCHEMA_CHARS = 1500
 _PACKAGE_DATA = Path(__file__).parent / "data"
 
 
+#: The kinds of training prompt: an example object for a schema, or a document's values extracted.
+PROMPT_KINDS = ("generation", "extraction")
+
+
 def default_data_dir() -> Path:
     """Where the JSONSchemaBench subsets are (``$CONSTRAINED_SPEC_SCHEMA_DATA`` or ../shared/data)."""
     import os
@@ -77,7 +81,7 @@ def subsets(data_dir: Path) -> list[str]:
 
 
 def schema_prompts(data_dir: Path, subset_names: list[str], *, per_subset: int, seed: int = 0,
-                   kinds: tuple[str, ...] = ("generation", "extraction")) -> list[dict[str, Any]]:
+                   kinds: tuple[str, ...] = PROMPT_KINDS) -> list[dict[str, Any]]:
     """Up to ``per_subset`` prompts of each kind from each named subset (small object schemas,
     a seeded sample); rows ``{"id", "kind", "prompt", "schema"}``."""
     rng = random.Random(seed)
@@ -116,12 +120,13 @@ def repository_prompts() -> list[dict[str, Any]]:
     return rows
 
 
-def training_prompts(data_dir: Path | str | None = None, *, per_subset: int = 40, seed: int = 0) -> list[dict[str, Any]]:
-    """The training prompts: every subset but ``HELD_OUT_SUBSET``, both kinds, and the
-    repository's examples."""
+def training_prompts(data_dir: Path | str | None = None, *, per_subset: int = 40, seed: int = 0,
+                     kinds: tuple[str, ...] = PROMPT_KINDS) -> list[dict[str, Any]]:
+    """The training prompts: every subset but ``HELD_OUT_SUBSET``, of ``kinds`` (the same
+    schemas for a kind whichever others are asked), and the repository's examples."""
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     names = [s for s in subsets(data_dir) if s != HELD_OUT_SUBSET]
-    return schema_prompts(data_dir, names, per_subset=per_subset, seed=seed) + repository_prompts()
+    return schema_prompts(data_dir, names, per_subset=per_subset, seed=seed, kinds=kinds) + repository_prompts()
 
 
 def generation_workload(data_dir: Path | str | None = None, *, limit: int = 20, seed: int = 0) -> list[dict[str, Any]]:

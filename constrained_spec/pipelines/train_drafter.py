@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from ..constraint import CompiledConstraint, Matcher, State, vocabulary_of
 from ..decoding import AdaptiveK, FixedK, SpeculativeDecoder
 from ..drafters.base import Draft, Drafter
+from ..drafters.corpus import OutputCorpus
 from ..drafters.head import DraftHead, HeadConfig, default_taps
 from ..errors import InvalidOptionError
 
@@ -154,13 +155,14 @@ def _tap_layers(target: Any) -> tuple[tuple[int, ...], int]:
 def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstraint]], *, sampled: int = 1,
                    temperature: float = 0.8, max_new_tokens: int = 128, seed: int = 0, batch: int = 1,
                    drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
-                   progress: Callable[[TrainProgress], None] | None = None) -> list[DecodedOutput]:
+                   progress: Callable[[TrainProgress], None] | None = None, features: bool = True) -> list[DecodedOutput]:
     """Stage 1: each item decoded by the target under its constraint, greedily and ``sampled``
     more times, recording the target's features on the way. ``drafter_for(i, matcher)``: the
     model-free drafter item ``i`` decodes with (None: target-only); it changes the speed, never
     the law. ``batch`` > 1 decodes that many runs at once in the batch engine (the same greedy
     outputs: its rows equal single requests; sampled ones are draws of the same law). Outputs
-    of fewer than two tokens are dropped."""
+    of fewer than two tokens are dropped. ``features=False`` records no features (the outputs'
+    ``features`` and ``final`` are then empty): for a corpus, which needs only the tokens."""
     from ..drafters.hybrid import HybridDrafter
 
     taps, final = _tap_layers(target)
@@ -171,6 +173,8 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
         matcher = items[i][1].matcher()
         recorder = FeatureRecorder(matcher, (*taps, final))
         other = drafter_for(i, matcher) if drafter_for is not None else None
+        if not features:
+            return matcher, recorder, other, AdaptiveK(12, deterministic=run_seed is not None) if other is not None else FixedK(0)
         drafter = HybridDrafter([other, recorder]) if other is not None else recorder
         # Speculation only changes the speed: a seeded sampled run keeps its K choices
         # independent of timings, so the same seed gives the same output.
@@ -183,6 +187,10 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
     def keep(i: int, tokens: list[int], recorder: FeatureRecorder) -> None:
         prompt = items[i][0]
         T = len(prompt) + len(tokens)
+        if not features:
+            if len(tokens) >= 2:
+                out.append(DecodedOutput(i, prompt, list(tokens), items[i][1], torch.empty(0), torch.empty(0)))
+            return
         feats = recorder.features(T - 1) if len(tokens) >= 2 else None
         if feats is not None:
             out.append(DecodedOutput(i, prompt, list(tokens), items[i][1], feats[:, : len(taps) * d].clone(),
@@ -221,6 +229,14 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
         keep(i, dec.output, recorder)
         report(n + 1)
     return out
+
+
+def save_corpus(outputs: Sequence[DecodedOutput], vocab: Any, out: str | Path) -> OutputCorpus:
+    """Index the outputs' tokens as the target's corpus (``drafters.corpus``) and save it to
+    ``out``, where ``draft=out`` loads it beside a head."""
+    corpus = OutputCorpus([o.tokens for o in outputs], vocab.fingerprint, exclude=[vocab.eos_token_id])
+    corpus.save(out)
+    return corpus
 
 
 def draft_vocabulary(outputs: Sequence[DecodedOutput], size: int, eos: int, always: Sequence[int] = ()) -> list[int]:
@@ -411,6 +427,7 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
         torch.save({"fingerprint": fingerprint,
                     "outputs": [(o.item, o.tokens, o.features, o.final) for o in outputs]}, outputs_path)
     decode_seconds = time.perf_counter() - t0
+    save_corpus(outputs, vocab, out)
     vd = draft_vocabulary(outputs, draft_vocab, vocab.eos_token_id, always)
     seqs = featurize(target, outputs, vd, frozenset(lookup_ignore))
     del outputs
@@ -543,21 +560,46 @@ def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "
     ``draft=out`` then loads. Stage 1 decodes with the model-free drafters ("auto" without a
     head), ``batch`` runs at once in the batch engine: the same greedy outputs as target-only,
     faster."""
-    from ..drafters.factory import build_drafter
     from ..drafters.lookup import structural_tokens
     from ..models import resolve_model
 
     handle = resolve_model(target)
-    rows, skipped = load_items(handle, data, limit=limit)
-    if not rows:
-        raise InvalidOptionError(f"Invalid training data: no usable line in {str(data)!r}"
-                                 + (f" ({skipped[0]})." if skipped else "."))
-    items = [(ids, compiled) for _, ids, compiled in rows]
-    texts = [text for text, _, _ in rows]
-    drafter_for = lambda i, matcher: build_drafter("hybrid", matcher, handle.tokenizer, source_text=texts[i],  # noqa: E731
-                                                   head=False)
+    items, drafter_for = _decode_items(handle, data, limit)
     structural = sorted(structural_tokens(handle.vocabulary))  # always drafted; no lookup match alone
     return train_head(handle.model, handle.tokenizer, items, out, draft_vocab=draft_vocab, steps=steps, minutes=minutes,
                       sampled=sampled, max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
                       always=structural, resume=resume, batch=batch, lookup_ignore=structural,
                       drafter_for=drafter_for, progress=progress)
+
+
+def build_corpus(target: Any = None, data: str | Path = "", out: str | Path = "", *, max_new_tokens: int = 128,
+                 limit: int | None = None, batch: int = DECODE_BATCH,
+                 progress: Callable[[TrainProgress], None] | None = None) -> OutputCorpus:
+    """Decode the prompts of ``data`` greedily with ``target`` (as stage 1 of ``train_drafter``,
+    without features) and save the outputs' corpus (``drafters.corpus``) to ``out``, which
+    ``draft=out`` then loads (beside a head already there)."""
+    from ..models import resolve_model
+
+    handle = resolve_model(target)
+    items, drafter_for = _decode_items(handle, data, limit)
+    outputs = decode_outputs(handle.model, items, sampled=0, max_new_tokens=max_new_tokens, batch=batch,
+                             drafter_for=drafter_for, progress=progress, features=False)
+    if not outputs:
+        raise InvalidOptionError("Invalid training data: no item produced an output of two tokens or more.")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return save_corpus(outputs, handle.vocabulary, out)
+
+
+def _decode_items(handle: Any, data: str | Path, limit: int | None) -> tuple[list[tuple[list[int], CompiledConstraint]],
+                                                                          Callable[[int, Matcher], Drafter | None]]:
+    """The usable items of ``data`` and the model-free drafter each decodes with."""
+    from ..drafters.factory import build_drafter
+
+    rows, skipped = load_items(handle, data, limit=limit)
+    if not rows:
+        raise InvalidOptionError(f"Invalid training data: no usable line in {str(data)!r}"
+                                 + (f" ({skipped[0]})." if skipped else "."))
+    texts = [text for text, _, _ in rows]
+    drafter_for = lambda i, matcher: build_drafter("hybrid", matcher, handle.tokenizer, source_text=texts[i],  # noqa: E731
+                                                   head=False)
+    return [(ids, compiled) for _, ids, compiled in rows], drafter_for
