@@ -647,7 +647,7 @@ def drafter_data_cmd(
     per_subset: int = typer.Option(40, "--per-subset", help="Prompts of each kind (generation, extraction) per subset."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="The JSONSchemaBench subsets (default: ../shared/data/jsonschemabench or $CONSTRAINED_SPEC_SCHEMA_DATA)."),
     seed: int = typer.Option(0, "--seed"),
-    kinds: str = typer.Option("generation,extraction", "--kinds", help="The kinds of subset prompts written (generation, extraction or both, comma-separated); the repository's examples are always in."),
+    kinds: str = typer.Option("generation,extraction", "--kinds", help="The kinds of prompts written (generation, extraction or both, comma-separated); the repository's examples are extraction prompts."),
 ) -> None:
     """Write training prompts for train-drafter: generation and extraction prompts from every
     JSONSchemaBench subset except Glaiveai2K (kept for evaluation), and the repository's examples."""

@@ -91,10 +91,9 @@ def test_drafter_data_writes_the_kinds_asked(tmp_path):
     res = runner.invoke(app, ["drafter-data", "--out", str(tmp_path / "g.jsonl"), "--per-subset", "2", "--kinds", "generation"])
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
-    subset_rows = [r for r in rows if not r["id"].startswith("repo/")]
-    assert subset_rows and {r["kind"] for r in subset_rows} == {"generation"}
+    assert rows and {r["kind"] for r in rows} == {"generation"}  # the repository's examples are extraction
     both = training_prompts(DATA, per_subset=2)
-    assert [r for r in both if r["kind"] == "generation"] == subset_rows  # the same schemas either way
+    assert [r for r in both if r["kind"] == "generation"] == rows  # the same schemas either way
     res = runner.invoke(app, ["drafter-data", "--out", str(tmp_path / "x.jsonl"), "--kinds", "summaries"])
     assert res.exit_code == 2 and "Invalid --kinds" in res.output
 

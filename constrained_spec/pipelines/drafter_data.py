@@ -123,10 +123,12 @@ def repository_prompts() -> list[dict[str, Any]]:
 def training_prompts(data_dir: Path | str | None = None, *, per_subset: int = 40, seed: int = 0,
                      kinds: tuple[str, ...] = PROMPT_KINDS) -> list[dict[str, Any]]:
     """The training prompts: every subset but ``HELD_OUT_SUBSET``, of ``kinds`` (the same
-    schemas for a kind whichever others are asked), and the repository's examples."""
+    schemas for a kind whichever others are asked), and with extraction the repository's
+    examples (extraction prompts: the bench's among them)."""
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     names = [s for s in subsets(data_dir) if s != HELD_OUT_SUBSET]
-    return schema_prompts(data_dir, names, per_subset=per_subset, seed=seed, kinds=kinds) + repository_prompts()
+    examples = repository_prompts() if "extraction" in kinds else []
+    return schema_prompts(data_dir, names, per_subset=per_subset, seed=seed, kinds=kinds) + examples
 
 
 def generation_workload(data_dir: Path | str | None = None, *, limit: int = 20, seed: int = 0) -> list[dict[str, Any]]:
