@@ -16,14 +16,19 @@ It pays for that per row: about 2.5x what a float32 matmul pays per row of a lon
 (measured here on the 576 x 3072 gate/up matrix: 23.3 ms for 300 rows against 9.5 ms), so a
 prompt took 6 ms a token and 86% of its time in this kernel. Prompt rows need no invariance
 (``models.invariant``: the same rows with the same keys in every run of a request), so a
-layer given ``prompt_weight`` (the stored weights in float16: half of float32's bytes, 2^-11
-relative, 8x closer than bfloat16) and a row split (``rows``, set by ``make_batch_invariant``)
-sends prompt segments of at least ``MIN_DENSE_ROWS`` rows through a float32 matmul instead.
+layer given ``prompt_weight`` (the stored weights in bfloat16: the precision the kernel's own
+scales and inputs have) and a row split (``rows``, set by ``make_batch_invariant``) sends prompt
+segments of at least ``MIN_DENSE_ROWS`` rows through a dense matmul instead: a bfloat16 one
+where the CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX: 2.5-3x a float32 matmul of
+a prompt's shapes here, accumulated in float32), else a float32 one over the weights widened
+once per forward.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,12 +38,31 @@ from torch import nn
 GROUP = 32
 #: Bytes of one Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles.
 Q4_1_BLOCK_BYTES = 20
-#: Prompt segments shorter than this stay on the kernel: the dense path converts every layer's
-#: float16 weights to float32 and reads them back (about 1 GB of memory traffic a prompt),
-#: which a few rows do not repay. Measured here (whole prompt passes, ms, kernel / dense): 16
-#: rows 130 / 198, 32 rows 200 / 217, 64 rows 330-390 / 284, 100 rows 580-760 / 445, 300 rows
-#: 1,580-1,650 / 958.
-MIN_DENSE_ROWS = 48
+#: Per dense dtype, prompt segments shorter than this stay on the kernel: the dense path reads
+#: every layer's weights (203 MiB a forward in bfloat16; the float32 path converts them first,
+#: about 1 GB of memory traffic), which a few rows do not repay. Measured here (whole prompt
+#: passes of the embedded model, ms, kernel / dense): bfloat16 (AVX512_BF16, 2026-12-03) 16 rows
+#: 41.8 / 47.3, 24 rows 52.8 / 52.4, 32 rows 64.4 / 56.2, 64 rows 114 / 84, 300 rows - / 308
+#: (float32 660); float32 (an earlier machine) 16 rows 130 / 198, 32 rows 200 / 217, 64 rows
+#: 330-390 / 284, 100 rows 580-760 / 445, 300 rows 1,580-1,650 / 958.
+MIN_DENSE_ROWS = {torch.bfloat16: 24, torch.float32: 48}
+
+
+@functools.lru_cache(maxsize=1)
+def bfloat16_matmul_in_hardware() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (the ``avx512_bf16`` or ``amx_bf16``
+    flag), where oneDNN's bfloat16 matmul beats float32. Read from the flags, not timed, so the
+    choice (and with it a prompt's bits) is the same in every run on one machine."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def prompt_matmul_dtype() -> torch.dtype:
+    """The dtype prompt rows are multiplied in on this machine (see the module docstring)."""
+    return torch.bfloat16 if bfloat16_matmul_in_hardware() else torch.float32
 
 
 def unpack_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -66,8 +90,9 @@ class Int4Linear(nn.Module):
 
     Inputs of any float dtype are rounded to bfloat16 for the kernel; the output comes back in
     the input's dtype. ``packed``: uint8 ``[N, K/2]`` in the kernel's layout; ``scales_and_zeros``:
-    bfloat16 ``[K/32, N, 2]``. ``prompt_weight`` (float16 ``[N, K]``) and ``rows`` (a
-    ``models.invariant.RowSplit``): the dense path of prompt rows (see the module docstring).
+    bfloat16 ``[K/32, N, 2]``. ``prompt_weight`` (bfloat16 ``[N, K]``), ``rows`` (a
+    ``models.invariant.RowSplit``) and ``prompt_dtype`` (``prompt_matmul_dtype()`` unless set):
+    the dense path of prompt rows (see the module docstring).
     """
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
@@ -80,6 +105,7 @@ class Int4Linear(nn.Module):
         # A plain attribute, not a buffer: decode and verify rows never read it, so it is not
         # among the bytes a forward's profile counts (``forward_profile``).
         self.prompt_weight = prompt_weight
+        self.prompt_dtype = prompt_matmul_dtype()
         self.rows: Any = None
 
     @staticmethod
@@ -96,14 +122,14 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
         if self.rows is not None and self.prompt_weight is not None:
-            dense: list[torch.Tensor] = []  # the float32 weights, converted once for all of a forward's chunks
+            dense: list[torch.Tensor] = []  # the weights in prompt_dtype, converted once for all of a forward's chunks
 
             def prompt(rows: torch.Tensor) -> torch.Tensor:
-                if rows.shape[-2] < MIN_DENSE_ROWS:
+                if rows.shape[-2] < MIN_DENSE_ROWS[self.prompt_dtype]:
                     return self._kernel(rows)
                 if not dense:
-                    dense.append(self.prompt_weight.float())
-                return nn.functional.linear(rows.float(), dense[0]).to(rows.dtype)
+                    dense.append(self.prompt_weight.to(self.prompt_dtype))
+                return nn.functional.linear(rows.to(self.prompt_dtype), dense[0]).to(rows.dtype)
 
             return self.rows.apply(x, prompt, self._kernel)
         return self._kernel(x)

@@ -59,8 +59,8 @@ def q4_1_linears(gguf_path: Path | str, config: Any) -> dict[str, Int4Linear]:
 
 def install_int4(model: Any, linears: dict[str, Int4Linear]) -> Any:
     """Replace ``model``'s linear layers by the given ``Int4Linear`` modules (in place), checking
-    shapes. Each keeps the replaced layer's weights (the stored ones, dequantized) in float16 as
-    its ``prompt_weight`` (``models.int4``: prompt rows on a float32 matmul)."""
+    shapes. Each keeps the replaced layer's weights (the stored ones, dequantized) in bfloat16 as
+    its ``prompt_weight`` (``models.int4``: prompt rows on a dense matmul)."""
     for name, module in linears.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -68,7 +68,7 @@ def install_int4(model: Any, linears: dict[str, Int4Linear]) -> Any:
         if (old.out_features, old.in_features) != (module.out_features, module.in_features):
             raise ModelLoadError(f"Native precision: {name} is {tuple(old.weight.shape)} in the model, "
                                  f"({module.out_features}, {module.in_features}) in the GGUF.")
-        module.prompt_weight = old.weight.detach().to(torch.float16)
+        module.prompt_weight = old.weight.detach().to(torch.bfloat16)
         setattr(parent, child, module)
     return model
 
