@@ -57,7 +57,11 @@ def bfloat16_matmul_in_hardware() -> bool:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
-    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
+        return False
+    # oneDNN must be built with bfloat16 too (a private query; a torch without it: assume so).
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(supported()) if supported is not None else True
 
 
 def prompt_matmul_dtype() -> torch.dtype:
