@@ -68,8 +68,10 @@ class NativeDecode:
         for block in base.layers:
             attn, mlp = block.self_attn, block.mlp
             qkv, gate_up = attn.q_proj.fused, mlp.gate_proj.fused
-            self.layers.append((block.input_layernorm, qkv.layer, qkv.sizes, attn.o_proj, attn.head_dim, attn.scaling,
-                                block.post_attention_layernorm, gate_up.layer, gate_up.sizes, mlp.down_proj))
+            # q's heads and q + k's width in the fused q/k/v output (q and k are rotated together).
+            q_heads, qk_width = qkv.sizes[0] // attn.head_dim, qkv.sizes[0] + qkv.sizes[1]
+            self.layers.append((block.input_layernorm, qkv.layer, q_heads, qk_width, attn.o_proj, attn.head_dim,
+                                attn.scaling, block.post_attention_layernorm, gate_up.layer, gate_up.sizes, mlp.down_proj))
 
     @staticmethod
     def supports(base: Any) -> bool:
@@ -101,11 +103,10 @@ class NativeDecode:
         mask = None if n == 1 else _allowed(None, past + n, past, 0, x.device)[None, None]
         states = [x] if hidden else None
         x = x[0]
-        for i, (norm1, qkv, qkv_sizes, o_proj, head_dim, scale, norm2, gate_up, gu_sizes, down) in enumerate(self.layers):
+        for i, (norm1, qkv, q_heads, qk_width, o_proj, head_dim, scale, norm2, gate_up, gu_sizes, down) in enumerate(self.layers):
             qkv_out = qkv.kernel_bfloat16(_norm(norm1, x))
             # q and k rotated as one tensor of their heads side by side: the same elementwise
             # ops on the same values (the same bits), five ops a layer fewer.
-            q_heads, qk_width = qkv_sizes[0] // head_dim, qkv_sizes[0] + qkv_sizes[1]
             qk = _rotate(qkv_out[:, :qk_width].view(1, n, -1, head_dim).transpose(1, 2), cos, sin)
             q, k = qk[:, :q_heads], qk[:, q_heads:]
             v = qkv_out[:, qk_width:]
