@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from constrained_spec.decoding.rowcache import RowCache
+from constrained_spec.batching.cache import RowCache
 from constrained_spec.models.invariant import make_batch_invariant
 from tests.test_invariance import smol_shaped
 

@@ -22,7 +22,7 @@ import torch
 from constrained_spec.api import generate_json
 from constrained_spec.models.int4 import Int4Linear
 from constrained_spec.models.loading import load_model
-from constrained_spec.pipelines.bench import load_prompts
+from constrained_spec.bench.single import load_prompts
 from constrained_spec.pipelines.drafter_data import generation_workload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -10,7 +10,8 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
 from constrained_spec import load_model
 from constrained_spec.constraint import compile_constraint
-from constrained_spec.decoding import BatchEngine, AdaptiveK
+from constrained_spec.batching import BatchEngine
+from constrained_spec.decoding import AdaptiveK
 from constrained_spec.decoding.repetition import repeated_cycle
 from constrained_spec.drafters import build_drafter
 h = load_model()

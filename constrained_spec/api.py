@@ -289,9 +289,15 @@ def generate_json(
         ``(value, stats)`` with ``return_stats=True``, or a ``TextStream``.
 
     Raises:
-        InvalidOptionError, InvalidSchemaError, UnsupportedSchemaFeatureError, InvalidPromptError,
-        TokenizerMismatchError, ModelLoadError before decoding; TokenLimitError (with the partial
-        text) or OutputValidationError after it. Never returns a value that breaks the schema.
+        InvalidOptionError: an option has a bad value or an unknown name (before decoding).
+        InvalidSchemaError: the schema is invalid, unreadable or over a limit (before decoding).
+        UnsupportedSchemaFeatureError: a keyword the backend cannot enforce, named with its path.
+        InvalidPromptError: the prompt is empty or does not fit the context (before decoding).
+        TokenizerMismatchError: the draft has another tokenizer (before decoding).
+        ModelLoadError: the model could not be loaded.
+        TokenLimitError: ``max_new_tokens`` ran out; it carries the partial text.
+        OutputValidationError: the output failed validation. A value that breaks the schema is
+            never returned.
     """
     opts = SpecOptions.build(options, **option_values)
     loaded = load_schema(schema)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from constrained_spec.pipelines.batch_bench import plot_sweep, run_batch_sweep, sweep_configs
+from constrained_spec.bench.batch import plot_sweep, run_batch_sweep, sweep_configs
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_sweep_rows_identical_and_consistent(smol, tmp_path):
 
 
 def test_extract_refuses_an_engine_on_another_model(smol):
-    from constrained_spec.decoding import BatchEngine
+    from constrained_spec.batching import BatchEngine
     from constrained_spec.errors import InvalidOptionError
     from constrained_spec.pipelines.extract import extract
     from tests.conftest import tiny_llama

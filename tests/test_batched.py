@@ -9,7 +9,7 @@ from pathlib import Path
 from constrained_spec import ModelHandle
 from constrained_spec.constraint import compile_constraint, load_schema
 from constrained_spec.decoding import decode
-from constrained_spec.decoding import BatchEngine
+from constrained_spec.batching import BatchEngine
 from constrained_spec.pipelines.extract import extract
 from tests.conftest import tiny_llama
 
@@ -49,7 +49,7 @@ def test_speculative_batch_on_the_embedded_model_equals_per_document_target_only
     """The shipped people documents at batch 4 with the default drafters (rows of different
     lengths on different shelves, verifying different numbers of drafts each step) give the
     records of per-document target-only decoding, every one."""
-    from constrained_spec.pipelines.batch_bench import Person, load_documents
+    from constrained_spec.bench.batch import Person, load_documents
 
     docs = load_documents(limit=16)
     one = [r.to_record().get("value") for r in extract(Person, docs, model=smol, drafter="none", prefix_cache=False,

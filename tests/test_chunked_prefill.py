@@ -12,7 +12,7 @@ import torch
 from constrained_spec.constraint import compile_constraint
 from constrained_spec.decoding import FixedK, PrefixCache, SpeculativeDecoder, decode
 from constrained_spec.decoding import prefix as prefix_module
-from constrained_spec.decoding.engine import BatchEngine
+from constrained_spec.batching.engine import BatchEngine
 from constrained_spec.decoding.prefix import prompt_chunks
 from constrained_spec.drafters import LookupDrafter, build_drafter
 from tests.conftest import tiny_llama

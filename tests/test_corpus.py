@@ -141,7 +141,7 @@ def test_a_proposal_continues_the_most_frequent_allowed_continuation_and_stops_w
 
 def test_greedy_output_with_the_corpus_is_the_target_only_output_alone_in_auto_and_in_a_batch(setup):
     from constrained_spec.decoding import AdaptiveK
-    from constrained_spec.decoding.engine import BatchEngine
+    from constrained_spec.batching.engine import BatchEngine
     from constrained_spec.drafters import LookupDrafter
     from constrained_spec.drafters.hybrid import HybridDrafter
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from constrained_spec.pipelines.coverage import run_coverage
+from constrained_spec.bench.coverage import run_coverage
 
 CORPUS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "jsonschemabench"
 pytestmark = pytest.mark.skipif(not CORPUS.is_dir(), reason="the JSONSchemaBench corpus is not beside the checkout")
@@ -45,7 +45,7 @@ def test_generation_check_reports_outcomes(smol):
 
 
 def test_instances_are_laid_out_as_the_constraint_writes_them():
-    from constrained_spec.pipelines.coverage import _ordered_like
+    from constrained_spec.bench.coverage import _ordered_like
 
     schema = {"definitions": {"svc": {"type": "object", "properties": {"image": {"type": "string"},
                                                                        "n": {"type": "integer"}}}},

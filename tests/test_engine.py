@@ -19,7 +19,7 @@ import constrained_spec.decoding.decoder as decoder_mod
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
 from constrained_spec.decoding import FixedK, decode
 from constrained_spec.errors import InvalidOptionError
-from constrained_spec.decoding.engine import BatchEngine
+from constrained_spec.batching.engine import BatchEngine
 from constrained_spec.drafters import LookupDrafter, ModelDrafter
 from tests.conftest import tiny_llama
 from tests.test_exactness import EOS, MODEL_VOCAB, N, N_CONTROL, PATTERN, PROMPT, TOKENS, _correction_from_p, exact_law, sample_pvalue
@@ -174,7 +174,7 @@ def test_a_long_row_gives_its_memory_back_when_it_leaves():
     """One long row among short ones sits on a shelf of its own: the short rows' slots are not
     sized by it; when it leaves its shelf is freed and the short rows keep their keys; empty,
     nothing is held."""
-    from constrained_spec.decoding.rowcache import RowCache
+    from constrained_spec.batching.cache import RowCache
 
     cache = RowCache(num_layers=2, slots=8, max_capacity=8192, capacity=256)
     block = lambda n, x=1.0: [torch.full((1, n, 4), x, dtype=torch.float64)] * 2  # noqa: E731
@@ -202,7 +202,7 @@ def test_random_joins_growth_rollbacks_and_leaves_keep_every_row_exact_and_retur
     release, and every byte is returned at the end."""
     import random
 
-    from constrained_spec.decoding.rowcache import RowCache
+    from constrained_spec.batching.cache import RowCache
 
     rng = random.Random(7)
     cache = RowCache(num_layers=2, slots=6, max_capacity=4096, capacity=16)
@@ -288,8 +288,8 @@ def test_row_cache_rows_move_to_larger_shelves_within_the_context():
     """A packed step writes each token at its row's slot; a row that outgrows its shelf moves to
     one of twice the capacity (then steps of 1,024 past 2,048, never past the context) with its
     keys, and its old shelf, empty, is freed."""
-    from constrained_spec.decoding.packing import pack_rows
-    from constrained_spec.decoding.rowcache import RowCache
+    from constrained_spec.batching.packing import pack_rows
+    from constrained_spec.batching.cache import RowCache
 
     cache = RowCache(num_layers=2, slots=3, max_capacity=5000, capacity=16)
     k = torch.randn(2, 1, 5, 4, dtype=torch.float64)
@@ -348,7 +348,7 @@ def test_negative_control_in_a_batch_is_caught(small, monkeypatch):
 
 
 def test_budget_keeps_the_drafts_that_pay_for_their_tokens():
-    from constrained_spec.decoding.budget import BatchCost, choose_drafts
+    from constrained_spec.batching.budget import BatchCost, choose_drafts
 
     cpu = BatchCost(0.040, 0.0022)  # native on this CPU: every packed token costs
     flat = BatchCost(0.020, 0.0)  # an accelerator with room to spare
@@ -367,7 +367,7 @@ def test_budget_keeps_the_drafts_that_pay_for_their_tokens():
 
 
 def test_batch_cost_fit_moves_from_the_prior_to_the_data():
-    from constrained_spec.decoding.budget import BatchCost
+    from constrained_spec.batching.budget import BatchCost
 
     cost = BatchCost(0.040, 0.0022)
     assert cost.seconds(10) == pytest.approx(0.062)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from constrained_spec.cli import app
 from constrained_spec.models.invariant import make_batch_invariant
-from constrained_spec.pipelines.forward_profile import PARTS, profile_forward
+from constrained_spec.bench.forward_profile import PARTS, profile_forward
 from tests.conftest import tiny_llama
 
 

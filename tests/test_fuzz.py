@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from constrained_spec.pipelines.hostile import HOSTILE, VALID, check_answer, healthy, request_strategy, send  # noqa: E402
+from constrained_spec.bench.hostile import HOSTILE, VALID, check_answer, healthy, request_strategy, send  # noqa: E402
 from constrained_spec.serving import ServerConfig, create_app  # noqa: E402
 from tests.test_server import _Server  # noqa: E402
 
@@ -60,7 +60,7 @@ def test_the_server_is_healthy_after_the_fuzzing(url):
 
 def test_a_short_soak_reports_no_problem(url):
     """The soak's own machinery on a few seconds of traffic (the 10-minute run is a command)."""
-    from constrained_spec.pipelines.soak import run_soak
+    from constrained_spec.bench.soak import run_soak
 
     report = run_soak(minutes=0.2, clients=3, url=url, pid=os.getpid(), warmup_minutes=0.05, seed=1)
     assert report["problems"] == 0 and report["healthy_after"], report["first_problems"]

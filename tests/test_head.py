@@ -264,7 +264,7 @@ def test_in_a_batch_and_behind_other_drafters_the_output_is_the_target_only_outp
     alone and a head behind lookup (rolling over lookup's tokens on its own states) beside
     each other, and every row equals its target-only run; the same drafters one request at a
     time give the same output."""
-    from constrained_spec.decoding.engine import BatchEngine
+    from constrained_spec.batching.engine import BatchEngine
     from constrained_spec.drafters import LookupDrafter
     from constrained_spec.drafters.hybrid import HybridDrafter
 

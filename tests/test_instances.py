@@ -9,8 +9,8 @@ import pytest
 
 from constrained_spec import UnsupportedSchemaFeatureError
 from constrained_spec.constraint import compile_constraint
-from constrained_spec.pipelines.coverage import _accepts
-from constrained_spec.pipelines.instances import byte_matcher, serialization_in_language
+from constrained_spec.bench.coverage import _accepts
+from constrained_spec.bench.instances import byte_matcher, serialization_in_language
 
 PAIR = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"}}, "required": ["a", "b"],
         "additionalProperties": False}
@@ -80,7 +80,7 @@ def test_draft_07_ref_replaces_its_siblings(smol_tokenizer):
 
 
 def test_layout_follows_properties_merged_through_all_of(smol_tokenizer):
-    from constrained_spec.pipelines.coverage import _ordered_like
+    from constrained_spec.bench.coverage import _ordered_like
 
     schema = {"allOf": [{"$ref": "#/definitions/base"}, {"properties": {"z": {"type": "integer"}}}],
               "definitions": {"base": {"properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}}}

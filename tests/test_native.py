@@ -207,7 +207,7 @@ def test_native_model_runs_the_stored_weights(smol_float32):
 
 @pytest.fixture(scope="module")
 def native_and_tokens(smol):
-    from constrained_spec.pipelines.bench import DEFAULT_PROMPTS, load_prompts
+    from constrained_spec.bench.single import DEFAULT_PROMPTS, load_prompts
 
     native = load_model(precision="native")
     item = load_prompts(DEFAULT_PROMPTS)[0]
@@ -322,7 +322,7 @@ def test_native_greedy_speculative_equals_target_only_on_every_bench_prompt(nati
     """Through the decoder at native precision: the same text and token count, prompt by prompt
     (without the invariant attention and norm, one of these six differed)."""
     from constrained_spec import generate_json
-    from constrained_spec.pipelines.bench import DEFAULT_PROMPTS, load_prompts
+    from constrained_spec.bench.single import DEFAULT_PROMPTS, load_prompts
 
     native = native_and_tokens[0]
 
@@ -343,7 +343,7 @@ def test_bench_runs_precisions_side_by_side(monkeypatch):
     and scored against the prompt's expected fields; a reference row (a stand-in for llama.cpp,
     which CI does not build) is timed on the same prompt, parsed and scored the same way."""
     from constrained_spec.pipelines import bench
-    from constrained_spec.pipelines.bench import BenchConfig, run_bench
+    from constrained_spec.bench.single import BenchConfig, run_bench
 
     item = bench.load_prompts(bench.DEFAULT_PROMPTS)[0]
     seen = []

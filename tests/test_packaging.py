@@ -21,7 +21,7 @@ def test_wheel_installs_and_runs_bench_on_one_prompt(tmp_path):
                     str(ROOT)], check=True, timeout=300)
     wheel = next(wheels.glob("constrained_spec-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "constrained_spec/pipelines/data/extraction.jsonl" in names
+    assert "constrained_spec/data/extraction.jsonl" in names
     assert "constrained_spec/constraint/llguidance.py" in names and "constrained_spec/drafters/hybrid.py" in names
     # A fresh environment with only the wheel installed; its dependencies are borrowed from this
     # one by a plain path entry (not a site dir, so this checkout's editable install stays out).

@@ -9,8 +9,8 @@ import torch
 
 from constrained_spec.constraint import compile_constraint
 from constrained_spec.decoding import FixedK, PrefixCache, SpeculativeDecoder
-from constrained_spec.decoding.engine import BatchEngine
-from constrained_spec.decoding.packing import pack_rows
+from constrained_spec.batching.engine import BatchEngine
+from constrained_spec.batching.packing import pack_rows
 from constrained_spec.decoding.prefix import shared_prefix_length
 from constrained_spec.drafters import build_drafter
 from tests.test_prefix import DOCS, ROOT, SHARED
@@ -93,7 +93,7 @@ def test_a_shelf_grid_spans_only_the_keys_its_rows_tokens_need():
     the full row's 16 plus the width, which would lie past the shelf."""
     from transformers import DynamicCache
 
-    from constrained_spec.decoding.rowcache import RowCache
+    from constrained_spec.batching.cache import RowCache
 
     cache = RowCache(num_layers=1, slots=4, max_capacity=64, capacity=16)
     for n in (16, 5):
@@ -115,7 +115,7 @@ def test_every_query_lies_where_the_kernels_take_it_and_within_its_shelf():
 
     from transformers import DynamicCache
 
-    from constrained_spec.decoding.rowcache import RowCache
+    from constrained_spec.batching.cache import RowCache
 
     rng = random.Random(3)
     for _ in range(200):

@@ -10,7 +10,7 @@ import pytest
 
 from constrained_spec.constraint import compile_constraint
 from constrained_spec.decoding import FixedK, PrefixCache, decode
-from constrained_spec.decoding.engine import BatchEngine
+from constrained_spec.batching.engine import BatchEngine
 from constrained_spec.decoding.prefix import shared_prefix_length
 from constrained_spec.drafters import LookupDrafter
 from tests.conftest import tiny_llama

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from constrained_spec.pipelines.bench import DEFAULT_PROMPTS, load_prompts
-from constrained_spec.pipelines.quality import field_accuracy
+from constrained_spec.bench.single import DEFAULT_PROMPTS, load_prompts
+from constrained_spec.bench.quality import field_accuracy
 
 EXPECTED = {"name": "Maria Gonzalez", "age": 34, "tags": ["a", "b"], "paid": True, "total": 1249.5}
 

@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 import ray.data  # noqa: E402
 
-from constrained_spec.pipelines.batch_bench import Person, load_documents  # noqa: E402
+from constrained_spec.bench.batch import Person, load_documents  # noqa: E402
 from constrained_spec.pipelines.extract import extract  # noqa: E402
 from constrained_spec.ray import COLUMNS, extract_dataset, extract_to  # noqa: E402
 

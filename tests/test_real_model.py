@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from constrained_spec import generate_json, generate_regex, load_model
-from constrained_spec.pipelines.bench import DEFAULT_PROMPTS
+from constrained_spec.bench.single import DEFAULT_PROMPTS
 
 ROOT = Path(__file__).resolve().parent.parent
 # The benchmark prompts ship with the package, each with its schema inline.

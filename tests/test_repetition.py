@@ -9,7 +9,7 @@ import torch
 from constrained_spec import RepetitionError, TokenLimitError
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
 from constrained_spec.decoding import FixedK, decode
-from constrained_spec.decoding.engine import BatchEngine
+from constrained_spec.batching.engine import BatchEngine
 from constrained_spec.decoding.repetition import MIN_SPAN, repeated_cycle
 from constrained_spec.drafters import GrammarDrafter, LookupDrafter, ModelDrafter
 from tests.conftest import tiny_llama

@@ -196,7 +196,7 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert re.search(r'constrained_spec_requests_total\{endpoint="/v1/chat/completions",status="200"\} [1-9]', text)
     assert re.search(r"constrained_spec_output_tokens_total [1-9]", text)
     assert "constrained_spec_queue_depth" in text and "constrained_spec_time_to_first_token_seconds_bucket" in text
-    # The request is done: its KV rows are given back (decoding.rowcache); its prompt's block, if
+    # The request is done: its KV rows are given back (batching.cache); its prompt's block, if
     # it had a full chunk, stays in the prefix cache.
     assert re.search(r"constrained_spec_kv_cache_bytes 0\.0", text)
     assert re.search(r"constrained_spec_prefix_cache_bytes \d", text)
@@ -255,7 +255,7 @@ def test_command_line_sends_to_a_running_server(server, smol, monkeypatch):
 
 
 def test_load_test_against_the_running_server(server):
-    from constrained_spec.pipelines.serve_bench import run_serve_bench
+    from constrained_spec.bench.serve import run_serve_bench
 
     report = run_serve_bench([3], url=server.url, api_key=KEY, limit=4, max_tokens=96)
     assert [(r["clients"], r["speculation"]) for r in report["rows"]] == [(3, "off"), (3, "on")]

@@ -107,8 +107,11 @@ def compile_constraint(
             real-world schema we have), checked before compiling.
 
     Raises:
-        InvalidSchemaError, UnsupportedSchemaFeatureError (naming the keyword and its path),
-        InvalidRegexError (a limit named among them), InvalidOptionError, TimeoutError.
+        InvalidSchemaError: the schema is invalid or over a limit.
+        UnsupportedSchemaFeatureError: a keyword the backend cannot enforce, named with its path.
+        InvalidRegexError: the pattern does not compile, matches nothing or is over a limit.
+        InvalidOptionError: a bad backend or option.
+        TimeoutError: compiling took longer than ``timeout_s``.
     """
     backend = resolve_backend(backend)
     if kind not in ("json", "regex"):

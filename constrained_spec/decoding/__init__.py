@@ -1,10 +1,9 @@
-"""Decoding: the verifier, the speculative decoder, the batch engine and its row cache, their
-figures, the K policy and hardware profiles, and the options object."""
+"""Decoding, one request at a time: the verifier, the speculative decoder, the prompt-block
+prefix cache (shared with the batch engine in ``constrained_spec.batching``), the figures, the
+K policy and hardware profiles, and the options object."""
 
 from .decoder import SpeculativeDecoder, StepPlan, decode
-from .engine import BatchEngine, Request
 from .prefix import PrefixCache, prefix_cache_for
-from .rowcache import RowCache
 from .kpolicy import AdaptiveK, FixedK, KPolicy, optimal_k
 from .options import DrafterName, SpecOptions
 from .profiles import K_MAX_PROFILES, detect_profile
@@ -12,7 +11,7 @@ from .stats import DecodeResult, DecodeStats
 from .verifier import Verdict, verify_greedy, verify_sampled
 
 __all__ = [
-    "AdaptiveK", "BatchEngine", "DecodeResult", "DecodeStats", "DrafterName", "FixedK", "KPolicy", "K_MAX_PROFILES",
-    "PrefixCache", "Request", "RowCache", "SpecOptions", "SpeculativeDecoder", "StepPlan", "Verdict", "decode", "detect_profile",
+    "AdaptiveK", "DecodeResult", "DecodeStats", "DrafterName", "FixedK", "KPolicy", "K_MAX_PROFILES",
+    "PrefixCache", "SpecOptions", "SpeculativeDecoder", "StepPlan", "Verdict", "decode", "detect_profile",
     "optimal_k", "prefix_cache_for", "verify_greedy", "verify_sampled",
 ]

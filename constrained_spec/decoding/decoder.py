@@ -167,14 +167,14 @@ class SpeculativeDecoder:
         self._pending: list[int] = []
         self._pending_chunks: list[Chunk] = []
         #: Prompt chunks a batch engine feeds in steps of their own before this request's
-        #: first step (``decoding.engine``); empty alone.
+        #: first step (``batching.engine``); empty alone.
         self.prompt_chunks: list[Chunk] = []
         self.stats = DecodeStats(drafter=drafter.name if drafter else "none", prompt_tokens=len(prompt_ids),
                                  backend=matcher.compiled.backend, relaxed=list(matcher.compiled.warnings),
                                  k_policy=type(self.k_policy).__name__,
                                  k_max=getattr(self.k_policy, "k_max", 0) if drafter else 0)
         self._started = time.perf_counter()
-        #: Set by a batch engine that decodes this request among others (``decoding.engine``).
+        #: Set by a batch engine that decodes this request among others (``batching.engine``).
         self.in_batch = False
         #: The target's features of the last forward's positions, for a learned head.
         self._features: torch.Tensor | None = None

@@ -12,7 +12,7 @@ the decoder asks for a batch-invariant model) the buffer holds exact float64 cop
 float32 keys, so each step converts only its new tokens; the prompt's attention gets float32
 back (``invariant_attention``), which is exact too. Bits are unchanged: the attention reads the
 same numbers as before (tested against ``DynamicCache``). The batch engine's cache is
-``decoding.rowcache`` (one buffer for many rows).
+``batching.cache`` (one buffer for many rows).
 
 Memory: the buffer is at most twice the positions held, and float64 doubles the bytes (92 KiB
 per token for SmolLM2-135M, against 46 KiB in float32).

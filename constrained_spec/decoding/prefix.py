@@ -10,7 +10,7 @@ a batch-invariant model (native precision, GPUs):
 
 - a request alone feeds every chunk in its first forward (one prompt segment each, no extra
   forward); the batch engine feeds a long prompt's chunks one per step between the other rows'
-  decode steps (``decoding.engine``). Both give each position the same keys, bit for bit;
+  decode steps (``batching.engine``). Both give each position the same keys, bit for bit;
 - a chunk's keys depend only on the tokens up to its end and the cuts before it, so a chunk
   that ends at a fixed cut is kept as a *block* keyed by exactly those (``Chunk.key``), and any
   later prompt that starts with the same chunks reuses them, bit for bit: several schemas over

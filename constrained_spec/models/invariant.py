@@ -193,7 +193,7 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     segments = prompt_segments(kwargs.pop("prompt_rows", 0))
     if [s for s, _ in segments] != list(itertools.accumulate((n for _, n in segments), initial=0))[: len(segments)]:
         raise ValueError("invariant_attention takes leading prompt rows only; a packed step goes through "
-                         "decoding.packing, which calls it per prompt segment")
+                         "batching.packing, which calls it per prompt segment")
     prompt_rows = sum(n for _, n in segments)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     parts = []

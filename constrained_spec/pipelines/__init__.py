@@ -1,5 +1,6 @@
-"""Pipelines built on the public API, one module each: ``extract`` (many documents, typed
-records), ``bench`` (the side-by-side benchmark; its prompts ship in ``data/``), ``coverage``
-(schema coverage over a corpus) and ``instances`` (does a language hold a JSON value).
+"""What users run over many inputs, one module each: ``extract`` (typed records from many
+documents, in process), ``distributed`` (the same on Ray Data), ``drafter_data`` (training
+prompts for a drafter) and ``train_drafter`` (a head and a corpus for a target). The benchmark
+harnesses live in ``constrained_spec.bench``.
 
 Nothing is re-exported here, so ``constrained_spec.pipelines.extract`` stays the module."""

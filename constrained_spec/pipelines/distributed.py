@@ -40,7 +40,8 @@ class _Extractor:
         import torch
 
         from ..constraint import load_schema
-        from ..decoding import BatchEngine, SpecOptions
+        from ..batching import BatchEngine
+        from ..decoding import SpecOptions
         from ..models import resolve_model
 
         if threads:
@@ -84,12 +85,14 @@ def extract_dataset(ds: Any, schema: Any, *, model: Any = None, draft: Any = Non
     Args:
         ds: a Ray dataset with ``id_column`` and ``text_column``.
         schema: as in ``extract`` (a pydantic class or a JSON schema; it travels to the actors).
-        model, draft: loaded by each actor (None: the embedded model; a ``ModelHandle`` is not
+        model: loaded by each actor (None: the embedded model; a ``ModelHandle`` is not
             shipped, give an id or path).
+        draft: as in ``generate_json``, loaded by each actor.
         batch_size: documents per Ray batch and rows of each actor's engine.
         concurrency: actors (each holds a model; on one machine, at most one per core group).
-        num_cpus, num_gpus: resources per actor (``num_cpus``, rounded, also sets its torch
-            threads; leave ``IO_TASK_CPUS`` per node free for reading and writing).
+        num_cpus: CPUs per actor (rounded, also its torch threads; leave ``IO_TASK_CPUS`` per
+            node free for reading and writing).
+        num_gpus: GPUs per actor.
         options: ``SpecOptions`` fields, checked here before anything runs.
     """
     import ray.data

@@ -27,7 +27,7 @@ EXTRACTION_TEMPLATE = ("Extract the record described below as JSON matching this
                        "Text:\n{document}")
 #: Schemas longer than this (compact JSON characters) are skipped: the prompt would dominate.
 MAX_SCHEMA_CHARS = 1500
-_PACKAGE_DATA = Path(__file__).parent / "data"
+_PACKAGE_DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 #: The kinds of training prompt: an example object for a schema, or a document's values extracted.

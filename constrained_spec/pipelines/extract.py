@@ -17,7 +17,8 @@ from typing import Any, Iterable, Iterator
 
 from ..api import generate_json, prepare_request, repetition_error, resolve_draft, validate_json_output
 from ..constraint import JsonSchema, compile_constraint, load_schema
-from ..decoding import BatchEngine, DecodeStats, Request, SpecOptions
+from ..batching import BatchEngine, Request
+from ..decoding import DecodeStats, SpecOptions
 from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidSchemaError, TokenLimitError
 from ..models import resolve_model
 
@@ -129,21 +130,24 @@ def extract(
     Args:
         schema: a pydantic model class (values come back as instances) or a JSON schema.
         documents: texts, ``{"id", "text"}`` records or ``(id, text)`` pairs.
-        model, draft: as in ``generate_json``; loaded once for the whole run.
+        model: as in ``generate_json``; loaded once for the whole run.
+        draft: as in ``generate_json``.
         prompt_template: ``str.format`` template with ``{text}``, ``{fields}``, ``{schema}``.
         batch_size: documents decoded together. 1: each document alone (``generate_json``);
-            above 1, the batch engine (``decoding.engine``): one target forward per step for up
+            above 1, the batch engine (``batching.engine``): one target forward per step for up
             to ``batch_size`` documents, each speculating with its own drafter and K, a finished
             document's slot taken at once by the next. Greedy records equal the one-by-one ones
             with a batch-invariant model (native precision, the CPU default).
         engine: a ``BatchEngine`` on the same model to run on instead of a new one (kept across
             calls, its K estimates and cost fit stay warm; its ``max_batch`` rows decode at once
             and its prefix cache is used); ``batch_size`` is then ignored.
-        server, api_key: send each document to a running ``constrained-spec serve`` at this URL
+        server: send each document to a running ``constrained-spec serve`` at this URL
             instead (``batch_size`` requests in flight at once, so the server batches them);
             ``model`` and ``draft`` are then the server's, and the records are validated here.
-        options, option_values: a ``SpecOptions`` and keyword overrides, as in ``generate_json``;
-            checked here, before any document, on both paths.
+        api_key: the server's key, with ``server``.
+        options: a ``SpecOptions``, as in ``generate_json``; checked here, before any document,
+            on both paths.
+        **option_values: keyword overrides of its fields.
     """
     opts = SpecOptions.build(options, **option_values)
     loaded = load_schema(schema)  # bad schemas fail here, before any document

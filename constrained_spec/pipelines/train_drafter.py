@@ -201,7 +201,7 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
             progress(TrainProgress("decode", done, len(runs)))
 
     if batch > 1:
-        from ..decoding.engine import BatchEngine
+        from ..batching.engine import BatchEngine
 
         engine = BatchEngine(target, max_batch=batch, prefix_cache=False)
         submitted = {}  # request id -> (its run's index, its recorder)

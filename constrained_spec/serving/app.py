@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, Response
 from ..api import chat_prefix_length, encode_chat, encode_text, prepare_request, resolve_draft, validate_json_output
 from ..constraint import CompiledConstraint, ConstraintLimits, JsonSchema, compile_constraint, load_schema
 from ..constraint.cache import ByteBoundedLRU
-from ..decoding import BatchEngine, DecodeStats, SpecOptions
+from ..batching import BatchEngine
+from ..decoding import DecodeStats, SpecOptions
 from ..errors import ConstrainedSpecError, DeadEndError, InvalidOptionError, InvalidPromptError, OutputValidationError
 from ..models import ModelHandle, resolve_model
 from .metrics import ServerMetrics

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..api import RequestParts
-from ..decoding import BatchEngine, Request, SpecOptions
-from ..decoding.heap import libc_function
+from ..batching import BatchEngine, Request
+from ..decoding import SpecOptions
+from ..batching.heap import libc_function
 
 
 class QueueFull(Exception):

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 #: The reuse measurement's template: the document first, so every schema shares its blocks.
 DOCUMENT_FIRST_TEMPLATE = "Document:\n{text}\n\nExtract the following fields from the document and answer with JSON.\n\nFields:\n{fields}"
 
@@ -149,10 +149,11 @@ def _valid(handle: Any, req: Any) -> bool:
 def run_long_prompt_bench(tokens: int = 3900, short: int = 4, arrival: float = 1.0,
                           progress: Callable[[str], None] = lambda _m: None) -> list[LongPromptRow]:
     """The three measurements (module docstring) with chunked prefill and without."""
-    from ..decoding import BatchEngine, PrefixCache
+    from ..batching import BatchEngine
+    from ..decoding import PrefixCache
     from ..models.loading import load_model
-    from .batch_bench import Person
-    from .extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
+    from .batch import Person
+    from ..pipelines.extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
 
     handle = load_model()
     doc = long_document(handle.tokenizer, tokens)
@@ -249,9 +250,9 @@ def run_long_prompt_server(tokens: int = 3900, short: int = 4, arrival: float = 
                            progress: Callable[[str], None] = lambda _m: None) -> ServerRow:
     """The long request, alone and with short ones beside it, through a ``serve`` child process."""
     from ..models.loading import load_model
-    from .batch_bench import Person
-    from .extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
-    from .serve_bench import _request, server_process
+    from .batch import Person
+    from ..pipelines.extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
+    from .serve import _request, server_process
 
     tokenizer = load_model().tokenizer
     doc = long_document(tokenizer, tokens)

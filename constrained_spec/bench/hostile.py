@@ -9,7 +9,7 @@ over-nested bodies. Each must be answered with a 4xx and OpenAI's error body.
 request asked for (or says ``valid: false`` with ``finish_reason: "length"``), or a 4xx with an
 error body; never a 5xx, never a connection error. ``request_strategy`` (needs ``hypothesis``)
 draws random requests, mostly wrong, some valid, for the fuzz test and ``constrained-spec fuzz``;
-``constrained-spec soak`` mixes both kinds for minutes (``pipelines.soak``).
+``constrained-spec soak`` mixes both kinds for minutes (``bench.soak``).
 
 Standard library HTTP only: clients cost little next to the server they test.
 """

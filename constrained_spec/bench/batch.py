@@ -29,15 +29,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from pydantic import BaseModel, Field
 
-from ..decoding import BatchEngine
+from ..batching import BatchEngine
 from ..decoding.prefix import prefix_cache_for
 from ..models import ModelHandle, resolve_model
-from .bench import save_figure
-from .extract import ExtractionResult, extract
+from .single import save_figure
+from ..pipelines.extract import ExtractionResult, extract
 from .quality import field_accuracy
 
 #: 64 short biographies with the values a reader would extract, shipped with the package.
-DEFAULT_DOCUMENTS = Path(__file__).resolve().parent / "data" / "people.jsonl"
+DEFAULT_DOCUMENTS = Path(__file__).resolve().parent.parent / "data" / "people.jsonl"
 
 
 class Person(BaseModel):

@@ -4,7 +4,7 @@ Design. A row lives on the shelf of the smallest capacity that holds it (``capac
 256, 512, 1024, 2048, then multiples of 1024, up to the model's context). A shelf keeps, per
 layer, dense buffers ``[slots, kv_heads, capacity, head_dim]`` and its rows in slots ``0 ..
 n - 1``; a row's cache is positions ``0 .. lengths[row] - 1`` of its slot. A step's tokens come
-packed (``decoding.packing``: one sequence of every row's new tokens, each with its row and
+packed (``batching.packing``: one sequence of every row's new tokens, each with its row and
 position); ``update`` writes each token's keys at its shelf, slot and position, and returns
 each shelf's buffers, which attention reads as views, one grid per shelf (a shelf's rows are
 within about twice each other's length, so a grid pads little). Rolling a row back is lowering

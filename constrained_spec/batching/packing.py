@@ -59,7 +59,7 @@ class PromptSegment:
 @dataclass(frozen=True)
 class Grid:
     """A padded ``[rows, width]`` block of a step's new tokens, attended at once over the keys of
-    cache part ``part`` (a shelf of ``decoding.rowcache``): ``slots`` the part's slots it covers
+    cache part ``part`` (a shelf of ``batching.cache``): ``slots`` the part's slots it covers
     (None: all of them, in order), ``offset`` the first column of those rows'
     new tokens it holds; ``tokens`` the packed indices of its tokens, ``scatter`` their places
     in the block (``row * width + col``), ``gather`` the block's packed indices (padding points

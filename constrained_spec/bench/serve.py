@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .batch_bench import DEFAULT_DOCUMENTS, Person, load_documents
-from .extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
+from .batch import DEFAULT_DOCUMENTS, Person, load_documents
+from ..pipelines.extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
 
 
 @dataclass

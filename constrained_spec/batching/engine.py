@@ -4,7 +4,7 @@ Requests join and leave between steps: a finished row frees its slot at once and
 request takes it. Each row keeps its own matcher, drafter, K policy and rollback; a step plans
 every row (K, draft, masks: ``SpeculativeDecoder.plan``), runs one forward over all rows'
 ``[last, drafts...]``, packed into one sequence with each row at its own positions
-(``decoding.packing``, ``RowCache``), then lets each row verify and commit
+(``batching.packing``, ``RowCache``), then lets each row verify and commit
 (``SpeculativeDecoder.finish``), so a row in the engine runs the very lines a single request
 runs. Target-only batched decoding is the same engine with K = 0.
 
@@ -15,7 +15,7 @@ often as the prefilling rows' share of the steps allows (``_prefill_turn``), so 
 never holds the batch for more than one chunk; its last chunk rides in its first batched step
 with its first draft after it, as its own first step would feed it. Its prompt rows are
 attended and normalized per chunk with the kernels its own first pass uses
-(``decoding.packing``), so with a batch-invariant model (native precision, GPUs; see
+(``batching.packing``), so with a batch-invariant model (native precision, GPUs; see
 ``models.invariant``) each row's keys are bit for bit those of that request alone (tested; its
 logits up to the output projection's float32 rounding), its greedy tokens equal its
 single-request tokens, and every chunk ending at a cut is kept as a block for later prompts
@@ -34,19 +34,19 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..constraint import Matcher
+from ..decoding import prefix
+from ..decoding.decoder import SpeculativeDecoder, StepPlan, tap_features
+from ..decoding.kpolicy import KPolicy
+from ..decoding.logits import forward_logits, supports_subsets
+from ..decoding.prefix import Chunk, PrefixCache, prefix_cache_for, store_blocks
+from ..decoding.profiles import detect_profile
+from ..decoding.stats import DecodeResult
 from ..drafters import Drafter
 from ..errors import InvalidOptionError, KVMemoryError
 from ..models.threads import thread_governor
 from .budget import BatchCost, batch_cost_prior, choose_drafts
-from .decoder import SpeculativeDecoder, StepPlan, tap_features
-from .kpolicy import KPolicy
-from .logits import forward_logits, supports_subsets
+from .cache import RowCache
 from .packing import PACKED_PREFIX, install_packed_attention, pack_rows
-from . import prefix
-from .prefix import Chunk, PrefixCache, prefix_cache_for, store_blocks
-from .profiles import detect_profile
-from .rowcache import RowCache
-from .stats import DecodeResult
 
 
 #: Positions a row may hold past its prompt and token limit: a step's drafts beyond its last token.
@@ -95,7 +95,7 @@ class BatchEngine:
         target: a causal LM (transformers) whose attention takes a 4D boolean mask (sdpa or the
             batch-invariant implementation; eager attention gets an additive mask).
         max_batch: the most rows decoded at once; more requests wait for a free slot.
-        precision, profile: pick the forward-cost prior of the step budget (``decoding.budget``);
+        precision, profile: pick the forward-cost prior of the step budget (``batching.budget``);
             None: the target's dtype and the detected profile.
         prefix_cache: where requests' prompt blocks are kept (``decoding.prefix``): True for the
             model's shared one, False for none, or a ``PrefixCache``.
@@ -278,7 +278,7 @@ class BatchEngine:
             finished.append(req)
             released = True
         if released:
-            self.cache.release()  # a long row's memory goes back when it leaves (decoding.rowcache)
+            self.cache.release()  # a long row's memory goes back when it leaves (batching.cache)
 
     def _prefill_turn(self) -> dict[int, Chunk]:
         """The prompt chunks this step feeds, by slot: the next chunk of prefilling rows, the
@@ -452,7 +452,7 @@ class BatchEngine:
 
     def _budget(self, live: list[tuple[int, StepPlan]], chunk_tokens: int = 0) -> list[tuple[int, StepPlan]]:
         """Cut the drafts of rows whose K policy allows it to the set with the most expected
-        tokens per second (``decoding.budget``); ``chunk_tokens``: a prompt chunk the step feeds too."""
+        tokens per second (``batching.budget``); ``chunk_tokens``: a prompt chunk the step feeds too."""
         cut = [(i, p) for i, p in live if self.active[i].decoder.budgeted and p.draft.tokens]
         if not cut:
             return live

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .hostile import HOSTILE, VALID, check_answer, healthy, send
-from .serve_bench import server_process
+from .serve import server_process
 
 
 def resident_mib(pid: int) -> float | None:

@@ -51,7 +51,7 @@ def run_neighbour_bench(limit: int = 3, max_new_tokens: int = 256, llama_cpp: bo
     from ..api import generate_json
     from ..models import threads
     from ..models.loading import load_model
-    from .bench import DEFAULT_PROMPTS, llama_cpp_row, load_prompts
+    from .single import DEFAULT_PROMPTS, llama_cpp_row, load_prompts
 
     handle = load_model()
     items = load_prompts(DEFAULT_PROMPTS, limit)

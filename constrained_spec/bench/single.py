@@ -24,7 +24,7 @@ from ..models.loading import DEFAULT_MODEL_NAME
 from .quality import field_accuracy
 
 #: The extraction prompts shipped with the package (schemas inline), so an installed wheel runs them.
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "extraction.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "extraction.jsonl"
 BASELINE = "target-only"
 DEFAULT_CONFIG = "hybrid, adaptive K (auto)"
 
@@ -264,7 +264,7 @@ def run_bench(
     Reference rows, timed on the same prompts: outlines' transformers generator
     (``outlines_reference``) and, for the embedded model where llama-cpp-python is installed,
     llama.cpp's grammar path (``llama_cpp``). "field_accuracy" counts the extracted fields that
-    equal the prompt's ``expected`` values (``pipelines.quality``).
+    equal the prompt's ``expected`` values (``bench.quality``).
     """
     if precisions:
         from ..models import load_model
@@ -276,7 +276,7 @@ def run_bench(
     labels = list(handles)
     handle = handles[labels[0]]
     if workload == "generation":  # held-out schemas (Glaiveai2K): never seen by a trained head
-        from .drafter_data import generation_workload
+        from ..pipelines.drafter_data import generation_workload
 
         items = generation_workload(limit=limit or 20)
         if not items:

@@ -1,6 +1,6 @@
 """How many tokens a batched step verifies: the drafts with the most expected tokens per second.
 
-A batched step packs every row's tokens into one sequence (``decoding.packing``), so a step
+A batched step packs every row's tokens into one sequence (``batching.packing``), so a step
 costs what its ``N`` tokens cost, whichever rows they belong to. On this CPU a forward grows with
 its tokens (native precision, SmolLM2-135M, ~200 cached tokens per row: about 40 ms plus
 2.2 ms per token), so the room for drafts shrinks as the batch grows; on a GPU a forward stays
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .linefit import LineSums
+from ..decoding.linefit import LineSums
 
 #: Prior (t0 seconds, t1 seconds per packed token) by (profile, precision), measured on the 2-core CPU.
 #: float32: the issue's measurement (31 ms + 1.7 ms per token in the batch).

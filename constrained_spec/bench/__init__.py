@@ -1,0 +1,15 @@
+"""The benchmark harnesses behind ``constrained-spec bench``, ``coverage``, ``fuzz`` and ``soak``,
+one module each; every one prints figures measured side by side in one run:
+
+- ``single``: one request at a time, target-only against every drafter and K policy, with
+  outlines' generator and llama.cpp's grammar path as reference rows (``quality`` scores the
+  fields);
+- ``batch``: batched extraction at each batch size; ``serve``: load on a running server;
+  ``long_prompt``: a long document beside short requests, and one document under several schemas;
+  ``neighbour``: a request with a busy process beside it; ``forward_profile``: where a forward's
+  time goes;
+- ``coverage`` (with ``instances``): how much of a schema corpus compiles and accepts its own
+  examples; ``hostile`` and ``soak``: bad and mixed traffic against a server.
+
+The prompts and documents they run on ship in ``constrained_spec/data``.
+Nothing is re-exported here, so each harness stays its module."""

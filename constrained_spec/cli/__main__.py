@@ -1,0 +1,5 @@
+"""``python -m constrained_spec.cli``: the same as the ``constrained-spec`` script."""
+
+from . import main
+
+main()

@@ -1,0 +1,53 @@
+"""Imports go one way: a package of ``constrained_spec`` imports only from the layers below it, the
+order the data flows (constraint -> drafters and models -> decoding -> batching -> api ->
+pipelines and serving -> bench -> cli). Read from the source, so a new upward import fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "constrained_spec"
+LAYERS = [
+    {"errors", "storage"},
+    {"constraint", "remote"},
+    {"drafters", "models"},
+    {"decoding"},
+    {"batching"},
+    {"api"},
+    {"pipelines", "serving"},
+    {"bench", "ray"},
+    {"cli", "__init__"},
+]
+LEVEL = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _imports(path: Path) -> set[str]:
+    """The top-level ``constrained_spec`` units ``path`` imports (relative or absolute)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            here = parts[:-1][: len(parts) - node.level] if node.level > 1 else parts[:-1]
+            target = here + (node.module.split(".") if node.module else [])
+            out.add(target[0] if target else node.names[0].name)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("constrained_spec."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("constrained_spec.")}
+    return out
+
+
+def test_every_unit_has_a_layer():
+    units = {p.relative_to(ROOT).with_suffix("").parts[0] for p in ROOT.rglob("*.py")}
+    assert units - set(LEVEL) == set()
+
+
+def test_imports_go_down_the_layers_only():
+    upward = []
+    for path in ROOT.rglob("*.py"):
+        unit = path.relative_to(ROOT).with_suffix("").parts[0]
+        for target in _imports(path) - {unit}:
+            if LEVEL.get(target, -1) >= LEVEL[unit]:
+                upward.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert not upward
