@@ -27,7 +27,7 @@ def small_chunks(monkeypatch):
 
 
 def _documents() -> list[str]:
-    path = ROOT / "constrained_spec" / "pipelines" / "data" / "people.jsonl"
+    path = ROOT / "constrained_spec" / "data" / "people.jsonl"
     return [json.loads(line)["text"] for line in path.read_text().splitlines()]
 
 

@@ -342,7 +342,7 @@ def test_bench_runs_precisions_side_by_side(monkeypatch):
     """Both precisions in one run, each row compared with its own precision's target-only output
     and scored against the prompt's expected fields; a reference row (a stand-in for llama.cpp,
     which CI does not build) is timed on the same prompt, parsed and scored the same way."""
-    from constrained_spec.pipelines import bench
+    from constrained_spec.bench import single as bench
     from constrained_spec.bench.single import BenchConfig, run_bench
 
     item = bench.load_prompts(bench.DEFAULT_PROMPTS)[0]

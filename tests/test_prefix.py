@@ -108,7 +108,7 @@ def test_extract_with_and_without_prefix_cache_gives_the_same_records(smol):
     spec = importlib.util.spec_from_file_location("people", ROOT / "examples" / "people.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    docs = [json.loads(line) for line in (ROOT / "constrained_spec" / "pipelines" / "data" / "people.jsonl").read_text().splitlines()[:4]]
+    docs = [json.loads(line) for line in (ROOT / "constrained_spec" / "data" / "people.jsonl").read_text().splitlines()[:4]]
     smol.model._constrained_spec_prefix_cache = None  # start cold
     off = [r.to_record() for r in extract(mod.Person, docs, model=smol, batch_size=4, prefix_cache=False)]
     on = [r.to_record() for r in extract(mod.Person, docs, model=smol, batch_size=4)]

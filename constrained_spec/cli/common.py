@@ -124,7 +124,7 @@ def _remote_and_print(server: str, constraint: dict[str, Any], prompt: str, rend
     """``json`` / ``regex`` through a running server (``--server``)."""
     import os
 
-    from . import remote
+    from .. import remote
 
     body = remote.chat_body(prompt, constraint=constraint, stream=stream, **options)
     key = os.environ.get("CONSTRAINED_SPEC_API_KEY")

@@ -44,7 +44,7 @@ def json_cmd(
         return json.dumps(value, ensure_ascii=False)
 
     if server:
-        from . import remote
+        from .. import remote
 
         _run_guarded(lambda: _remote_and_print(
             server, remote.json_constraint(remote.schema_dict(_schema_arg(schema)), lenient), text,
@@ -87,7 +87,7 @@ def regex_cmd(
     """
     text = _prompt_text(prompt)
     if server:
-        from . import remote
+        from .. import remote
 
         _run_guarded(lambda: _remote_and_print(
             server, remote.regex_constraint(pattern), text, str, stream=stream, stats=stats, temperature=temperature,
