@@ -229,6 +229,22 @@ def hidden(model, cache, ids, prompt_rows=0):
 def test_native_forward_is_batch_invariant(native_and_tokens):
     """Hidden states before the output projection: a k-token pass equals k one-token passes bit for
     bit, for k in 1..24, both in the first pass (which also carries the prompt) and later ones."""
+    _check_batch_invariance(native_and_tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["before the new rows", "among them"])
+def test_native_forward_is_batch_invariant_past_long_context(native_and_tokens, monkeypatch, where):
+    """The same with ``LONG_CONTEXT`` moved into this short prompt, so the new rows attend in
+    float32 blocks (all of them, or those past the threshold in a pass that straddles it)."""
+    from constrained_spec.models import invariant
+
+    _, prompt, _ = native_and_tokens
+    monkeypatch.setattr(invariant, "LONG_CONTEXT", len(prompt) - 10 if where.startswith("before") else len(prompt) + 6)
+    _check_batch_invariance(native_and_tokens)
+
+
+def _check_batch_invariance(native_and_tokens) -> None:
     from transformers import DynamicCache
 
     native, prompt, out = native_and_tokens
@@ -254,11 +270,17 @@ def test_native_forward_is_batch_invariant(native_and_tokens):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_tokens):
+@pytest.mark.parametrize("long_context", [None, "inside the prompt"])
+def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_tokens, long_context, monkeypatch):
     """The flat decode and verify forward (``models.native_decode``) gives transformers' forward's
     bits: the final hidden states, every layer's hidden states and the cache it fills, for 1 to 21
-    new rows after a prompt; forwards it does not cover (prompt rows) take transformers' path."""
+    new rows after a prompt; forwards it does not cover (prompt rows) take transformers' path.
+    Also with ``LONG_CONTEXT`` moved into the prompt (float32 blocks, a float32 cache)."""
     from constrained_spec.decoding.growing_cache import growing_cache
+    from constrained_spec.models import invariant
+
+    if long_context:
+        monkeypatch.setattr(invariant, "LONG_CONTEXT", len(native_and_tokens[1]) // 2)
 
     native, prompt, out = native_and_tokens
     model, out = native.model, out * 2  # 35 tokens are fed in all

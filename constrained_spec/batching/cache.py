@@ -30,7 +30,10 @@ while attention keeps reading views.
 Why float64: a batch-invariant model attends in float64 (``models.invariant``). Kept in float64
 (exact copies of the float32 keys), each step converts only its new tokens; kept in float32,
 every step would convert every row's whole cache in every layer, which costs about what the
-gather above costs. So the cache pays 92 KiB a position for the speed of every step.
+gather above costs. So the cache pays 92 KiB a position for the speed of every step, up to
+``LONG_CONTEXT`` positions: past it a row's queries attend in float32 blocks
+(``models.invariant.attend_new_rows``), so the shelves of capacity above it keep float32 (46
+KiB a position; a row moving up converts exactly, once).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from ..models import invariant
 from .heap import trim_heap
 from .packing import PackedRows
 
@@ -57,6 +61,8 @@ class Shelf:
     (None until written), ``rows[s]`` the row in slot ``s``."""
 
     capacity: int
+    #: The buffers' dtype (None: the keys' own).
+    dtype: torch.dtype | None = None
     rows: list[int] = field(default_factory=list)
     allocated: int = 0
     keys: list[torch.Tensor | None] = field(default_factory=list)
@@ -77,7 +83,8 @@ class Shelf:
         """``store[layer]``, allocated for ``like``'s heads and head size if not yet."""
         buf = store[layer]
         if buf is None:
-            buf = store[layer] = like.new_zeros(self.allocated, like.shape[-3], self.capacity, like.shape[-1])
+            buf = store[layer] = like.new_zeros(self.allocated, like.shape[-3], self.capacity, like.shape[-1],
+                                                dtype=self.dtype or like.dtype)
         return buf
 
     @property
@@ -134,6 +141,22 @@ class RowCache(Cache):
         """The capacity of ``row``'s shelf."""
         return self._place[row][0]
 
+    def shelf_dtype(self, cap: int) -> torch.dtype | None:
+        """The dtype of the shelf of capacity ``cap``: float32 past ``LONG_CONTEXT`` positions
+        (attention reads those rows in float32, ``models.invariant``), else ``dtype``."""
+        return torch.float32 if self.dtype == torch.float64 and cap > invariant.LONG_CONTEXT else self.dtype
+
+    def footprint_bytes(self, positions: list[int], values_per_position: int, default_size: int) -> int:
+        """Bytes the shelves allocate at most for rows of these sizes, ``values_per_position``
+        numbers a position (keys and values of every layer) of each shelf's dtype
+        (``default_size`` bytes each where the shelf keeps the keys' own)."""
+        counts: dict[int, int] = {}
+        for n in positions:
+            cap = self.capacity_for(min(n, self.max_capacity))
+            counts[cap] = counts.get(cap, 0) + 1
+        return sum(min(doubled_to(1, k), self.slots) * cap * values_per_position * _element_size(self.shelf_dtype(cap), default_size)
+                   for cap, k in counts.items())
+
     def footprint(self, positions: list[int]) -> int:
         """Positions (slots x capacity) the shelves allocate at most for rows of these sizes."""
         counts: dict[int, int] = {}
@@ -151,8 +174,6 @@ class RowCache(Cache):
         packing = self.packing
         if packing is None:
             raise RuntimeError("RowCache.update outside a packed step (set RowCache.packing first)")
-        if self.dtype is not None:
-            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         k_new, v_new = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [N, heads, dim]
         keys_out, values_out = [], []
         for cap, write in zip(sorted(self.shelves), packing.writes):
@@ -162,6 +183,7 @@ class RowCache(Cache):
             if write is not None:
                 tokens, slots, positions = write
                 k, v = (k_new, v_new) if tokens is None else (k_new.index_select(0, tokens), v_new.index_select(0, tokens))
+                k, v = k.to(keys.dtype), v.to(values.dtype)  # the shelf's dtype (exact either way)
                 # [slots, capacity, heads, dim] views: (slot, position) pairs index the first two dims
                 keys.transpose(1, 2)[slots, positions] = k
                 values.transpose(1, 2)[slots, positions] = v
@@ -218,8 +240,6 @@ class RowCache(Cache):
         cap, slot = self._place[row]
         shelf = self.shelves[cap]
         for i, (k, v) in enumerate(zip(keys, values)):
-            if self.dtype is not None:
-                k, v = k.to(self.dtype), v.to(self.dtype)
             shelf.buffer(shelf.keys, i, k)[slot, :, start : start + n] = k
             shelf.buffer(shelf.values, i, v)[slot, :, start : start + n] = v
         self.lengths[row] = start + n
@@ -273,7 +293,8 @@ class RowCache(Cache):
     def _shelf(self, cap: int) -> Shelf:
         shelf = self.shelves.get(cap)
         if shelf is None:
-            shelf = self.shelves[cap] = Shelf(cap, keys=[None] * self.num_layers, values=[None] * self.num_layers)
+            shelf = self.shelves[cap] = Shelf(cap, self.shelf_dtype(cap), keys=[None] * self.num_layers,
+                                              values=[None] * self.num_layers)
         return shelf
 
     def _seat(self, shelf: Shelf, row: int) -> int:
@@ -297,8 +318,9 @@ class RowCache(Cache):
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one cached position of one row takes (all layers, keys and values)."""
-        buf = next((b for s in self.shelves.values() for b in s.keys if b is not None), None)
+        """KV bytes one cached position of one row takes (all layers, keys and values) on the
+        smallest shelf (rows past ``LONG_CONTEXT`` take half that, in float32)."""
+        buf = next((b for c in sorted(self.shelves) for b in self.shelves[c].keys if b is not None), None)
         if buf is None:
             return 0
         return 2 * self.num_layers * buf.shape[1] * buf.shape[3] * buf.element_size()
@@ -316,6 +338,10 @@ def _copy_row(src: Shelf, src_slot: int, dst: Shelf, dst_slot: int, n: int) -> N
         for i, buf in enumerate(src_store):
             if buf is not None:
                 dst.buffer(dst_store, i, buf)[dst_slot, :, :n] = buf[src_slot, :, :n]
+
+
+def _element_size(dtype: torch.dtype | None, default: int) -> int:
+    return default if dtype is None else torch.empty(0, dtype=dtype).element_size()
 
 
 def doubled_to(start: int, at_least: int) -> int:

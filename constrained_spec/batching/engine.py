@@ -135,8 +135,9 @@ class BatchEngine:
         cfg = target.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        size = 8 if invariant else next(target.parameters()).element_size()
-        self._bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * size
+        #: Numbers one cached position holds, and their size where the cache keeps the keys' own dtype.
+        self._values_per_position = 2 * cfg.num_hidden_layers * kv_heads * head_dim
+        self._element_size = next(target.parameters()).element_size()
         #: Forwards run by the engine for batched steps (prompt chunks included).
         self.batch_forwards = 0
         precision = precision or str(next(target.parameters()).dtype).replace("torch.", "")
@@ -216,7 +217,7 @@ class BatchEngine:
     def _kv_bytes(self, rows: list[int]) -> int:
         """Bytes the row cache holds at most for rows of these positions (slots and capacity as
         ``RowCache`` allocates them)."""
-        return self.cache.footprint(rows) * self._bytes_per_token
+        return self.cache.footprint_bytes(rows, self._values_per_position, self._element_size)
 
     def kv_bytes_alone(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The KV bytes a request of this size needs with no other row (what ``submit`` checks

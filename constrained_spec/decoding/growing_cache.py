@@ -15,7 +15,10 @@ same numbers as before (tested against ``DynamicCache``). The batch engine's cac
 ``batching.cache`` (one buffer for many rows).
 
 Memory: the buffer is at most twice the positions held, and float64 doubles the bytes (92 KiB
-per token for SmolLM2-135M, against 46 KiB in float32).
+per token for SmolLM2-135M, against 46 KiB in float32). Once a request holds more than
+``LONG_CONTEXT`` positions its buffers are float32 (exact: the float64 values are copies of
+float32 keys): attention reads its rows from there on in float32 blocks (``models.invariant``),
+and the long document's cache takes half the bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from ..models import invariant
 
 #: Positions a layer's buffer holds at first (a prompt longer than this sizes it).
 INITIAL_CAPACITY = 256
@@ -58,10 +63,12 @@ class GrowingLayer(DynamicLayer):
         while new < positions:
             new *= 2
         b, heads, _, dim = like_k.shape
-        dtype_k = self.store_dtype or like_k.dtype
-        dtype_v = self.store_dtype or like_v.dtype
-        k = torch.empty(b, heads, new, dim, dtype=dtype_k, device=like_k.device)
-        v = torch.empty(b, heads, new, like_v.shape[-1], dtype=dtype_v, device=like_v.device)
+        dtype_k, dtype_v = self.store_dtype or like_k.dtype, self.store_dtype or like_v.dtype
+        if new > invariant.LONG_CONTEXT and dtype_k == torch.float64:  # past it, attention reads float32 keys
+            dtype_k = dtype_v = torch.float32
+        # Zeros: attention's float32 blocks read whole key blocks past the held positions.
+        k = torch.zeros(b, heads, new, dim, dtype=dtype_k, device=like_k.device)
+        v = torch.zeros(b, heads, new, like_v.shape[-1], dtype=dtype_v, device=like_v.device)
         if self._k is not None and self.length:
             k[:, :, : self.length] = self._k[:, :, : self.length]
             v[:, :, : self.length] = self._v[:, :, : self.length]

@@ -48,6 +48,13 @@ IMPLEMENTATION = "constrained_spec_invariant"
 ROW_BUCKET = 32
 #: Rows per block of the CPU output projection (see the module docstring).
 OUTPUT_BUCKET = 8
+#: Query rows at this position or later attend in float32 (``attend_new_rows``), earlier ones in
+#: float64; the caches keep a row's keys in float32 once it holds more positions than this.
+LONG_CONTEXT = 2048
+#: The float32 path's fixed shapes: query rows per call, and the key block it pads keys to (the
+#: CPU flash kernel's key block, so a padded block changes no bit of the blocks before it).
+F32_QUERY_BLOCK = 8
+F32_KEY_BLOCK = 512
 
 
 class RowSplit:
@@ -219,14 +226,94 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         mask = None
         if not (rows == 1 and attention_mask is None and past + prompt_rows == kv_len - 1):
             mask = _allowed(attention_mask, kv_len, past + prompt_rows, prompt_rows, query.device)
-        # torch's fused attention in float64 (GQA without repeating the keys): any float64
-        # summation order rounds to the same float32 (module docstring), and one call does what
-        # eleven small ops did (71 against 158 us a layer for one row over 300 keys here).
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, prompt_rows:].double(), key.double(), value.double(), attn_mask=mask, scale=scale,
-            enable_gqa=key.shape[1] != query.shape[1]).to(query.dtype)
+        out = attend_new_rows(query[:, :, prompt_rows:], key, value, mask, scale).to(query.dtype)
         parts.append(out.transpose(1, 2))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
+
+
+def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """Batch-invariant attention of new query rows (``[b, h, r, d]``) over ``key`` / ``value``
+    (``[b, h_kv, kv, d]``, float32 or exact float64 copies), ``allowed`` the keys each row sees
+    (``[r, kv]`` or ``[b, 1, r, kv]``; None: one row that sees every key); float32 ``[b, h, r, d]``.
+
+    Rows before ``LONG_CONTEXT``: torch's fused attention in float64 (GQA without repeating the
+    keys): any float64 summation order rounds to the same float32 (module docstring), and one
+    call does what eleven small ops did (71 against 158 us a layer for one row over 300 keys).
+    Rows from ``LONG_CONTEXT`` on: ``_float32_blocks``, exactly invariant by its fixed shapes.
+    Why the split: float64 over a long context reads twice the bytes and fell off a cliff here
+    (one row over 4,000 keys 1.3-4.0 ms a layer against 0.5-1.4 ms in float32 blocks, 12 rows
+    7.0 against 2.8 ms), while over a few hundred keys the float32 blocks' fixed shapes cost
+    twice the float64 call (0.16-0.24 against 0.08 ms for one row over 300 keys)."""
+    kv = key.shape[2]
+    gqa = key.shape[1] != query.shape[1]
+    # On a GPU the fused kernels' shapes are not this module's to fix: float64 everywhere.
+    if kv <= LONG_CONTEXT or query.device.type != "cpu":  # (on the CPU: every row before LONG_CONTEXT)
+        return _float64_rows(query, key, value, allowed, scale, gqa)
+    if allowed is None:
+        allowed = torch.ones(query.shape[2], kv, dtype=torch.bool, device=query.device)
+    # Each row's position: the keys it sees, less one (causal rows see 0 .. position).
+    positions = allowed.sum(-1) - 1  # [r] or [b, 1, r]
+    long = positions >= LONG_CONTEXT
+    if not bool(long.any()):
+        return _float64_rows(query, key, value, allowed, scale, gqa)
+    out = _float32_blocks(query, key, value, allowed, int(positions.max()) + 1, scale, gqa)
+    if bool(long.all()):
+        return out
+    # A pass that straddles LONG_CONTEXT (rare): each row takes its own position's path.
+    short = _float64_rows(query, key, value, allowed, scale, gqa)
+    pick = long[None, None, :, None] if long.dim() == 1 else long[..., None]  # [1 | b, 1, r, 1]
+    return torch.where(pick, out, short)
+
+
+def _float64_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
+                  scale: float, gqa: bool) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), attn_mask=allowed, scale=scale, enable_gqa=gqa).float()
+
+
+def _float32_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                    seen: int, scale: float, gqa: bool) -> torch.Tensor:
+    """Float32 attention whose every call has one shape class: ``F32_QUERY_BLOCK`` query rows
+    (zero-padded) against keys padded to whole ``F32_KEY_BLOCK``s (masked). The CPU flash kernel
+    then computes each row with the same matmul shapes and the same key blocks wherever the row
+    sits (which block, which batch row, how many rows the pass has, how many masked blocks
+    follow), so a row's result has the same bits in a one-token pass, a verify pass and a packed
+    batch step (tested). ``seen``: the most keys any row sees."""
+    b, heads, r, d = query.shape
+    span = -(-seen // F32_KEY_BLOCK) * F32_KEY_BLOCK
+    key, value = _key_span(key, span), _key_span(value, span)
+    pad = -r % F32_QUERY_BLOCK
+    allowed = allowed[..., :span] if allowed.shape[-1] >= span else torch.nn.functional.pad(
+        allowed, (0, span - allowed.shape[-1]))
+    if pad:
+        query = torch.nn.functional.pad(query, (0, 0, 0, pad))
+        first_key = torch.zeros(*allowed.shape[:-2], pad, span, dtype=torch.bool, device=allowed.device)
+        first_key[..., 0] = True  # a padding row sees key 0 only: no NaN, its output is dropped
+        allowed = torch.cat([allowed, first_key], dim=-2)
+    mask = torch.zeros(allowed.shape, device=query.device).masked_fill_(~allowed, float("-inf"))
+    q = query.float()
+    blocks = [torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, i : i + F32_QUERY_BLOCK], key, value, attn_mask=mask[..., i : i + F32_QUERY_BLOCK, :], scale=scale,
+        enable_gqa=gqa) for i in range(0, r + pad, F32_QUERY_BLOCK)]
+    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2))[:, :, :r]
+
+
+def _key_span(x: torch.Tensor, span: int) -> torch.Tensor:
+    """Positions ``0 .. span - 1`` of keys or values ``[b, h_kv, n, d]`` in float32. Past ``n``
+    they come from the cache buffer the view lies in when it has them (the caches zero their
+    buffers, so they are finite; the mask hides them), else from zero padding (a copy)."""
+    x = x if x.dtype == torch.float32 else x.float()  # float64 copies of float32 keys: exact
+    n = x.shape[2]
+    if n >= span:
+        return x[:, :, :span]
+    b, h, _, d = x.shape
+    s0, s1, s2, s3 = x.stride()
+    last = x.storage_offset() + (b - 1) * s0 + (h - 1) * s1 + (span - 1) * s2 + (d - 1) * s3
+    if s3 == 1 and s2 == d and s1 >= span * s2 and (b == 1 or s0 >= h * s1) and \
+            last < x.untyped_storage().nbytes() // x.element_size():
+        return x.as_strided((b, h, span, d), (s0, s1, s2, s3))
+    return torch.nn.functional.pad(x, (0, 0, 0, span - n))
 
 
 def _allowed(attention_mask: torch.Tensor | None, kv_len: int, first: int, prompt_rows: int,

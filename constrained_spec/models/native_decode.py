@@ -35,7 +35,7 @@ import torch
 from torch.nn import functional as F
 
 from .int4 import Int4Linear, Int4Part
-from .invariant import _allowed, float64_variance
+from .invariant import _allowed, attend_new_rows, float64_variance
 
 def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """``models.invariant.invariant_rms_norm`` on float32 rows with no prompt rows among them."""
@@ -111,8 +111,7 @@ class NativeDecode:
             q, k = qk[:, :q_heads], qk[:, q_heads:]
             v = qkv_out[:, qk_width:]
             keys, values = cache.update(k, v.view(1, n, -1, head_dim).transpose(1, 2).float(), i)
-            a = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask, scale=scale,
-                                               enable_gqa=keys.shape[1] != q.shape[1]).to(torch.float32)
+            a = attend_new_rows(q, keys, values, mask, scale)
             x = x + o_proj.kernel_bfloat16(a.transpose(1, 2).reshape(n, -1))
             gate, up = gate_up.kernel_bfloat16(_norm(norm2, x)).to(torch.float32).split(gu_sizes, dim=-1)
             x = x + down.kernel_bfloat16(F.silu(gate) * up)
