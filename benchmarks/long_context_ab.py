@@ -1,8 +1,10 @@
 """Issues #22 / #21: attention past ``LONG_CONTEXT`` in float32 blocks over a float32 cache, against
-float64 everywhere (the behaviour before, selected by moving the threshold out of reach),
-interleaved A B B A in one process on a 3,900-token document.
+float64 everywhere (the behaviour before, selected by moving the threshold out of reach), or
+(``--compare fold``) those float32 blocks with GQA query heads folded into their key heads'
+rows against one block per query head (``invariant.FOLD_QUERY_HEADS``), interleaved A B B A in
+one process on a 3,900-token document.
 
-Usage: python benchmarks/long_context_ab.py [--tokens 3900]
+Usage: python benchmarks/long_context_ab.py [--tokens 3900] [--compare float64|fold]
 
 Per setting: the long extraction request alone in the batch engine (seconds, peak KV MiB), the
 same request through ``generate_json`` target-only and auto (seconds), and three schemas over
@@ -25,7 +27,12 @@ from constrained_spec.models import invariant
 from constrained_spec.models.loading import load_model
 from constrained_spec.pipelines.extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
 
-SETTINGS = {"float64 everywhere (before)": 10**9, "float32 past LONG_CONTEXT (now)": invariant.LONG_CONTEXT}
+COMPARISONS = {
+    "float64": {"float64 everywhere (before)": {"LONG_CONTEXT": 10**9},
+                "float32 past LONG_CONTEXT (now)": {"LONG_CONTEXT": invariant.LONG_CONTEXT}},
+    "fold": {"one block per query head (before)": {"FOLD_QUERY_HEADS": False},
+             "query heads folded (now)": {"FOLD_QUERY_HEADS": True}},
+}
 
 
 def measure(handle, doc: str) -> tuple[dict[str, float], list[str]]:
@@ -63,14 +70,17 @@ def measure(handle, doc: str) -> tuple[dict[str, float], list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=3900)
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="float64")
     args = parser.parse_args()
+    settings = COMPARISONS[args.compare]
     handle = load_model()
     doc = long_document(handle.tokenizer, args.tokens)
-    names = list(SETTINGS)
+    names = list(settings)
     figs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     outputs: dict[str, list[list[str]]] = {n: [] for n in names}
     for name in (names[0], names[1], names[1], names[0]):
-        invariant.LONG_CONTEXT = SETTINGS[name]
+        for attribute, value in settings[name].items():
+            setattr(invariant, attribute, value)
         fig, outs = measure(handle, doc)
         figs[name].append(fig)
         outputs[name].append(outs)

@@ -97,6 +97,41 @@ def test_the_fixed_shapes_are_what_makes_float32_invariant():
     assert not torch.equal(stock(slice(0, 24)), alone)
 
 
+def _per_head_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The reference layout: each query head's rows in blocks of 8, one kernel call a block, keys
+    padded to whole 512-key blocks (what ``_float32_blocks`` computed before it folded heads)."""
+    b, heads, r, d = q.shape
+    span = -(-allowed.shape[-1] // invariant.F32_KEY_BLOCK) * invariant.F32_KEY_BLOCK
+    kp, vp = F.pad(k, (0, 0, 0, span - k.shape[2])), F.pad(v, (0, 0, 0, span - v.shape[2]))
+    allowed = F.pad(allowed if allowed.dim() == 4 else allowed[None, None], (0, span - allowed.shape[-1]))
+    pad = -r % invariant.F32_QUERY_BLOCK
+    first_key = torch.zeros(*allowed.shape[:2], pad, span, dtype=torch.bool)
+    first_key[..., 0] = True
+    allowed = torch.cat([allowed, first_key], dim=2)
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    qp = F.pad(q, (0, 0, 0, pad))
+    out = torch.cat([F.scaled_dot_product_attention(qp[:, :, i : i + 8], kp, vp, attn_mask=mask[..., i : i + 8, :],
+                                                    scale=SCALE, enable_gqa=True) for i in range(0, r + pad, 8)], dim=2)
+    return out[:, :, :r]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_folding_query_heads_into_key_heads_changes_no_bit(batch):
+    """Folding each key head's query heads into its rows (and one request's blocks into one call
+    over a stride-0 view of the keys) gives every row the bits of one block per query head."""
+    k, v = _buffers(batch, 2700)
+    g = torch.Generator().manual_seed(4)
+    for r in (1, 2, 3, 4, 8, 12, 21):
+        kv = LONG_CONTEXT + 500 + r
+        q = torch.randn(batch, HEADS, r, DIM, generator=g)
+        allowed = _allowed(None, kv, kv - r, 0, q.device)
+        if batch > 1:  # rows of other lengths: a per-row mask, as in a batch grid
+            allowed = allowed[None, None].repeat(batch, 1, 1, 1)
+            allowed[1, ..., kv - r - 300 : kv - r] = False
+        got = attend_new_rows(q, k[:, :, :kv], v[:, :, :kv], allowed, SCALE)
+        assert torch.equal(got, _per_head_blocks(q, k[:, :, :kv], v[:, :, :kv], allowed)), r
+
+
 def test_the_caches_keep_long_rows_in_float32():
     from constrained_spec.batching.cache import RowCache
     from constrained_spec.decoding.growing_cache import GrowingLayer
