@@ -207,3 +207,18 @@ def test_a_document_past_long_context_gives_target_only_output_with_every_path(s
     batched = [r.value or r.error for r in extract(Person, [document, short], model=smol, prompt_template=template,
                                                    batch_size=2, max_new_tokens=48)]
     assert batched == alone
+
+
+def test_masks_derived_once_a_forward_follow_the_mask_they_came_from():
+    """The float32 path remembers what it derived from the last mask (a forward hands one mask to
+    every layer); a mask changed in place, or another mask, gets its own derivation."""
+    k, v = _buffers(1, 2600)
+    q = torch.randn(1, HEADS, 4, DIM, generator=torch.Generator().manual_seed(5))
+    kv = LONG_CONTEXT + 300
+    allowed = _allowed(None, kv, kv - 4, 0, q.device)
+    first = attend_new_rows(q, k[:, :, :kv], v[:, :, :kv], allowed, SCALE)
+    assert torch.equal(attend_new_rows(q, k[:, :, :kv], v[:, :, :kv], allowed, SCALE), first)
+    allowed[:, :200] = False  # in place: the same object, another mask
+    changed = attend_new_rows(q, k[:, :, :kv], v[:, :, :kv], allowed, SCALE)
+    assert not torch.equal(changed, first)
+    assert torch.equal(changed, attend_new_rows(q, k[:, :, :kv], v[:, :, :kv], allowed.clone(), SCALE))

@@ -228,7 +228,8 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         # nothing changes no bit. Otherwise each row's causal keys and the mask's padding.
         mask = None
         if not (rows == 1 and attention_mask is None and past + prompt_rows == kv_len - 1):
-            mask = _allowed(attention_mask, kv_len, past + prompt_rows, prompt_rows, query.device)
+            mask = _remembered("allowed", attention_mask, (kv_len, past + prompt_rows, prompt_rows, query.device),
+                               lambda: _allowed(attention_mask, kv_len, past + prompt_rows, prompt_rows, query.device))
         out = attend_new_rows(query[:, :, prompt_rows:], key, value, mask, scale).to(query.dtype)
         parts.append(out.transpose(1, 2))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
@@ -253,20 +254,55 @@ def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # On a GPU the fused kernels' shapes are not this module's to fix: float64 everywhere.
     if kv <= LONG_CONTEXT or query.device.type != "cpu":  # (on the CPU: every row before LONG_CONTEXT)
         return _float64_rows(query, key, value, allowed, scale, gqa)
+    given = allowed
+    allowed, long, seen = _remembered("rows", given, (query.shape[2], kv, LONG_CONTEXT, query.device),
+                                      lambda: _row_positions(given, query.shape[2], kv, query.device))
+    if long is None:  # no row at LONG_CONTEXT or later
+        return _float64_rows(query, key, value, allowed, scale, gqa)
+    out = _float32_blocks(query, key, value, allowed, seen, scale, gqa)
+    if long is True:
+        return out
+    # A pass that straddles LONG_CONTEXT (rare): each row takes its own position's path.
+    short = _float64_rows(query, key, value, allowed, scale, gqa)
+    return torch.where(long, out, short)
+
+
+def _row_positions(allowed: torch.Tensor | None, rows: int, kv: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | bool | None, int]:
+    """``(allowed, long, seen)`` for ``attend_new_rows``: the mask (all keys where None), which rows
+    lie at ``LONG_CONTEXT`` or later (None: none, True: all, else a ``[1 | b, 1, r, 1]`` pick), and
+    the most keys a row sees."""
     if allowed is None:
-        allowed = torch.ones(query.shape[2], kv, dtype=torch.bool, device=query.device)
+        allowed = torch.ones(rows, kv, dtype=torch.bool, device=device)
     # Each row's position: the keys it sees, less one (causal rows see 0 .. position).
     positions = allowed.sum(-1) - 1  # [r] or [b, 1, r]
     long = positions >= LONG_CONTEXT
     if not bool(long.any()):
-        return _float64_rows(query, key, value, allowed, scale, gqa)
-    out = _float32_blocks(query, key, value, allowed, int(positions.max()) + 1, scale, gqa)
+        return allowed, None, 0
     if bool(long.all()):
-        return out
-    # A pass that straddles LONG_CONTEXT (rare): each row takes its own position's path.
-    short = _float64_rows(query, key, value, allowed, scale, gqa)
-    pick = long[None, None, :, None] if long.dim() == 1 else long[..., None]  # [1 | b, 1, r, 1]
-    return torch.where(pick, out, short)
+        return allowed, True, int(positions.max()) + 1
+    pick = long[None, None, :, None] if long.dim() == 1 else long[..., None]
+    return allowed, pick, int(positions.max()) + 1
+
+
+#: The last derived masks, per purpose: ``(key, the mask they came from, what was built)``.
+_REMEMBERED: dict[str, tuple[Any, Any, Any]] = {}
+
+
+def _remembered(purpose: str, allowed: torch.Tensor | None, shape_key: Any, build: Callable[[], Any]) -> Any:
+    """``build()``, or what it returned last for the same ``allowed`` mask (the same tensor object,
+    not modified since, or None for both) and ``shape_key``. Why: a forward hands one mask to every
+    layer (30 in the embedded model), and what the float32 path derives from it (row positions,
+    padded and folded masks over thousands of keys) cost about a tenth of a one-row forward over
+    3,900 positions when built again in each layer. The entry keeps a reference to the mask, so no
+    new tensor can take over its identity while it is remembered."""
+    key = (shape_key, None if allowed is None else (id(allowed), allowed._version))
+    hit = _REMEMBERED.get(purpose)
+    if hit is not None and hit[0] == key and hit[1] is allowed:
+        return hit[2]
+    value = build()
+    _REMEMBERED[purpose] = (key, allowed, value)
+    return value
 
 
 def _float64_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
@@ -295,26 +331,20 @@ def _float32_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     group = heads // kv_heads if gqa else 1
     span = -(-seen // F32_KEY_BLOCK) * F32_KEY_BLOCK
     key, value = _key_span(key, span), _key_span(value, span)
-    allowed = allowed[..., :span] if allowed.shape[-1] >= span else torch.nn.functional.pad(
-        allowed, (0, span - allowed.shape[-1]))
-    allowed = allowed[None] if allowed.dim() == 2 else allowed[:, 0]  # [1 | b, r, span]
     per_block = F32_QUERY_BLOCK
     # Fold where it saves a third of the blocks or more: measured in whole forwards over 3,900
     # positions, one row 1.60x, 4 rows 1.33x, 12 rows (15 blocks against 18) 0.90x.
     fold = FOLD_QUERY_HEADS and group > 1 and (kv_heads * -(-group * r // per_block) <= 0.7 * heads * -(-r // per_block) if b == 1
                           else group * r <= per_block)
-    if fold:  # row g * r + j of a key head is query head g of its group at row j: it sees row j's keys
-        q, allowed, gqa = query.float().reshape(b, kv_heads, group * r, d), allowed.repeat(1, group, 1), False
-    else:
-        q = query.float()
+    q = query.float().reshape(b, kv_heads, group * r, d) if fold else query.float()
+    if fold:
+        gqa = False
     rows = q.shape[2]
     pad = -rows % per_block
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
-        first_key = torch.zeros(allowed.shape[0], pad, span, dtype=torch.bool, device=allowed.device)
-        first_key[..., 0] = True  # a padding row sees key 0 only: no NaN, its output is dropped
-        allowed = torch.cat([allowed, first_key], dim=-2)
-    mask = torch.zeros(allowed.shape, device=query.device).masked_fill_(~allowed, float("-inf"))
+    mask = _remembered("float32 mask", allowed, (span, group if fold else 1, pad),
+                       lambda: _float32_mask(allowed, span, group if fold else 1, pad))
     blocks, q_heads = (rows + pad) // per_block, q.shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if fold and b == 1:  # every block in one call: the blocks in the batch dimension, the keys a stride-0 view
@@ -328,6 +358,23 @@ def _float32_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       enable_gqa=gqa) for i in range(0, rows + pad, per_block)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return out[:, :, :rows].reshape(b, heads, r, d)
+
+
+def _float32_mask(allowed: torch.Tensor, span: int, group: int, pad: int) -> torch.Tensor:
+    """The additive mask ``[1 | b, rows + pad, span]`` of ``_float32_blocks`` from ``allowed``
+    (``[r, kv]`` or ``[b, 1, r, kv]``): keys padded (masked) to ``span``, rows repeated ``group``
+    times (folded query heads: row g * r + j of a key head is query head g at row j, and sees row
+    j's keys), then ``pad`` padding rows that see key 0 only (no NaN; their output is dropped)."""
+    allowed = allowed[..., :span] if allowed.shape[-1] >= span else torch.nn.functional.pad(
+        allowed, (0, span - allowed.shape[-1]))
+    allowed = allowed[None] if allowed.dim() == 2 else allowed[:, 0]  # [1 | b, r, span]
+    if group > 1:
+        allowed = allowed.repeat(1, group, 1)
+    if pad:
+        first_key = torch.zeros(allowed.shape[0], pad, span, dtype=torch.bool, device=allowed.device)
+        first_key[..., 0] = True
+        allowed = torch.cat([allowed, first_key], dim=-2)
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _key_span(x: torch.Tensor, span: int) -> torch.Tensor:
