@@ -110,8 +110,9 @@ def _per_head_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     allowed = torch.cat([allowed, first_key], dim=2)
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
     qp = F.pad(q, (0, 0, 0, pad))
-    out = torch.cat([F.scaled_dot_product_attention(qp[:, :, i : i + 8], kp, vp, attn_mask=mask[..., i : i + 8, :],
-                                                    scale=SCALE, enable_gqa=True) for i in range(0, r + pad, 8)], dim=2)
+    block = invariant.F32_QUERY_BLOCK
+    out = torch.cat([F.scaled_dot_product_attention(qp[:, :, i : i + block], kp, vp, attn_mask=mask[..., i : i + block, :],
+                                                    scale=SCALE, enable_gqa=True) for i in range(0, r + pad, block)], dim=2)
     return out[:, :, :r]
 
 
