@@ -332,19 +332,25 @@ def _float32_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     span = -(-seen // F32_KEY_BLOCK) * F32_KEY_BLOCK
     key, value = _key_span(key, span), _key_span(value, span)
     per_block = F32_QUERY_BLOCK
-    # Fold where it saves a third of the blocks or more: measured in whole forwards over 3,900
-    # positions, one row 1.60x, 4 rows 1.33x, 12 rows (15 blocks against 18) 0.90x.
-    fold = FOLD_QUERY_HEADS and group > 1 and (kv_heads * -(-group * r // per_block) <= 0.7 * heads * -(-r // per_block) if b == 1
-                          else group * r <= per_block)
-    q = query.float().reshape(b, kv_heads, group * r, d) if fold else query.float()
+    # Fold where it saves a third of the blocks or more (measured in whole forwards over 3,900
+    # positions: one row 1.60x, 4 rows 1.33x, 12 rows, 15 blocks against 18, 0.90x); in a batch
+    # grid only what fits one block (one call per block there).
+    if b == 1:
+        folded, unfolded = kv_heads * -(-group * r // per_block), heads * -(-r // per_block)
+        fold = 3 * folded <= 2 * unfolded
+    else:
+        fold = group * r <= per_block
+    fold = fold and FOLD_QUERY_HEADS and group > 1
+    repeat = group if fold else 1  # each row of the mask, once per query head folded beside it
     if fold:
-        gqa = False
+        q, gqa = query.float().reshape(b, kv_heads, group * r, d), False
+    else:
+        q = query.float()
     rows = q.shape[2]
     pad = -rows % per_block
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
-    mask = _remembered("float32 mask", allowed, (span, group if fold else 1, pad),
-                       lambda: _float32_mask(allowed, span, group if fold else 1, pad))
+    mask = _remembered("float32 mask", allowed, (span, repeat, pad), lambda: _float32_mask(allowed, span, repeat, pad))
     blocks, q_heads = (rows + pad) // per_block, q.shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if fold and b == 1:  # every block in one call: the blocks in the batch dimension, the keys a stride-0 view
