@@ -40,12 +40,16 @@ GROUP = 32
 Q4_1_BLOCK_BYTES = 20
 #: Per dense dtype, prompt segments shorter than this stay on the kernel: the dense path reads
 #: every layer's weights (203 MiB a forward in bfloat16; the float32 path converts them first,
-#: about 1 GB of memory traffic), which a few rows do not repay. Measured here (whole prompt
-#: passes of the embedded model, ms, kernel / dense): bfloat16 (AVX512_BF16, 2026-12-03) 16 rows
-#: 41.8 / 47.3, 24 rows 52.8 / 52.4, 32 rows 64.4 / 56.2, 64 rows 114 / 84, 300 rows - / 308
-#: (float32 660); float32 (an earlier machine) 16 rows 130 / 198, 32 rows 200 / 217, 64 rows
-#: 330-390 / 284, 100 rows 580-760 / 445, 300 rows 1,580-1,650 / 958.
-MIN_DENSE_ROWS = {torch.bfloat16: 24, torch.float32: 48}
+#: about 1 GB of memory traffic), which a few rows do not repay. The crossover is measured as
+#: requests meet it: a prompt pass between decode steps, whose kernel weights are warm and whose
+#: dense weights are not (first forwards of whole requests, medians of five, ms, dense /
+#: kernel, bfloat16 on AVX512_BF16, 2026-12-03): 51 rows 192 / 104, 71 rows 229 / 205, 104 rows
+#: 268 / 226, 124 rows 309 / 311, 145 rows 335 / 381, 167 rows 387 / 451, 206 rows 431 / 508.
+#: (Timed in a loop of dense calls alone the crossover looked like 24 rows, which sent every
+#: extraction document's 24-29 rows after its cached template through the dense path: 186 against
+#: 114 ms a prompt pass.) float32 (an earlier machine, loop-timed): 16 rows 130 / 198, 32 rows
+#: 200 / 217, 64 rows 330-390 / 284, 100 rows 580-760 / 445, 300 rows 1,580-1,650 / 958.
+MIN_DENSE_ROWS = {torch.bfloat16: 128, torch.float32: 48}
 
 
 @functools.lru_cache(maxsize=1)
