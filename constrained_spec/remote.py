@@ -28,8 +28,10 @@ class RemoteError(ConstrainedSpecError, RuntimeError):
 
 def schema_dict(schema: Any) -> dict[str, Any]:
     """A JSON schema from a pydantic class, a dict, JSON text or a file path (no model needed)."""
-    if hasattr(schema, "model_json_schema"):
-        return schema.model_json_schema()
+    if hasattr(schema, "model_json_schema"):  # closed as in-process decoding closes it
+        from .constraint.schema import pydantic_schema
+
+        return pydantic_schema(schema)
     if isinstance(schema, dict):
         return schema
     text = str(schema)

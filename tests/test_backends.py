@@ -197,3 +197,51 @@ def test_a_walk_back_from_an_explored_draft_gives_the_masks_of_a_fresh_replay(sm
         replay = compiled.matcher()
         want = replay.allowed_mask(replay.walk(replay.initial_state, ids(prefix) + ids(explored)[:n])[-1])
         assert torch.equal(m.allowed_mask(state), want)
+
+
+def _takes(compiled, text: str, tokenizer) -> bool:
+    """Whether ``text`` (as the tokenizer cuts it) is a complete output of ``compiled``."""
+    m = compiled.matcher()
+    state = m.state
+    for t in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        state = m.next_state(state, t)
+        if state is None:
+            return False
+    return m.is_done(state)
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "outlines-core"])
+def test_a_pydantic_class_is_decoded_with_its_declared_fields_only(smol_tokenizer, backend):
+    """Pydantic's default ``extra="ignore"`` writes no ``additionalProperties``, which JSON Schema
+    reads as "any other key"; validation would drop such keys, so decoding closes those objects,
+    nested ones too (a model ran away inside them). ``extra="allow"`` stays open, a dict field
+    keeps its value schema, and a dict schema is taken as written."""
+    from pydantic import BaseModel, ConfigDict
+
+    from constrained_spec.constraint.schema import pydantic_schema
+
+    class City(BaseModel):
+        name: str
+
+    class Person(BaseModel):
+        name: str
+        city: City
+        scores: dict[str, int]
+
+    class Open(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        name: str
+
+    closed = compile_constraint(Person, smol_tokenizer, backend=backend)
+    assert _takes(closed, '{"name": "Ana", "city": {"name": "Oslo"}, "scores": {"a": 1}}', smol_tokenizer)
+    assert not _takes(closed, '{"name": "Ana", "city": {"name": "Oslo"}, "scores": {"a": 1}, "age": 3}', smol_tokenizer)
+    assert not _takes(closed, '{"name": "Ana", "city": {"name": "Oslo", "code": "NO"}, "scores": {"a": 1}}', smol_tokenizer)
+    assert not _takes(closed, '{"name": "Ana", "city": {"name": "Oslo"}, "scores": {"a": "x"}}', smol_tokenizer)
+    if backend == "llguidance":  # outlines-core emits declared properties only, open or not
+        assert _takes(compile_constraint(Open, smol_tokenizer, backend=backend), '{"name": "Ana", "age": 3}', smol_tokenizer)
+        as_dict = compile_constraint(Person.model_json_schema(), smol_tokenizer, backend=backend)
+        assert _takes(as_dict, '{"name": "Ana", "city": {"name": "Oslo"}, "scores": {"a": 1}, "age": 3}', smol_tokenizer)
+    schema = pydantic_schema(Person)
+    assert schema["additionalProperties"] is False and schema["$defs"]["City"]["additionalProperties"] is False
+    assert schema["properties"]["scores"]["additionalProperties"] == {"type": "integer"}
+    assert pydantic_schema(Open)["additionalProperties"] is True

@@ -52,7 +52,7 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
                 f"Invalid schema: expected a pydantic model class, a dict, JSON text or a file path, got class {schema.__name__}."
             )
         model_cls = schema
-        schema = schema.model_json_schema()
+        schema = pydantic_schema(schema)
     elif isinstance(schema, os.PathLike) or (
         isinstance(schema, str) and not schema.lstrip().startswith(("{", "[")) and schema.strip()
     ):
@@ -82,6 +82,28 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
     if _REF_OVERRIDES_SIBLINGS.search(str(schema.get("$schema", ""))):
         schema = _without_ref_siblings(schema)
     return JsonSchema(schema, model_cls)
+
+
+def pydantic_schema(model_cls: Any) -> dict:
+    """The JSON schema a pydantic class is decoded under: ``model_json_schema()`` with every
+    object that lists its properties and says nothing of others closed
+    (``additionalProperties: false``).
+
+    Why: pydantic leaves ``additionalProperties`` out for its default ``extra="ignore"``, which
+    by JSON Schema allows any other key, yet validation then drops those keys. Generating them
+    only spends tokens, and a model given the freedom can run away inside them: extracting
+    ``name`` and ``city`` from a long document, the embedded model wrote ``"country_code_2"``,
+    ``"country_code_3"``, ... until the token limit failed the request. OpenAI's structured
+    outputs and outlines emit the declared properties only, too. A model that wants other keys
+    says so (``extra="allow"``: pydantic writes ``additionalProperties: true``, kept as is;
+    ``extra="forbid"`` writes false)."""
+
+    def close(node: dict, path: str) -> dict:
+        if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+            return {**node, "additionalProperties": False}
+        return node
+
+    return map_subschemas(model_cls.model_json_schema(), close)
 
 
 def _parse(text: str, what: str, limits: Any) -> Any:
