@@ -62,17 +62,16 @@ def main() -> None:
                     except Exception as e:  # an error's partial text is an output too (greedy identity)
                         out = type(e).__name__ + str(getattr(e, "text", ""))
                     runs.setdefault((item["id"], drafter, name), []).append((time.perf_counter() - t0, out))
+    first, second = modes
     for kind in ("extraction", "generation"):
         ids = [item["id"] for k, item, _ in work if k == kind]
         for drafter in ("none", "auto"):
             total = {n: sum(min(t for t, _ in runs[(i, drafter, n)]) for i in ids) for n in modes}
-            first, second = modes
             print(f"{kind} {drafter}: {first} {total[first]:.2f} s, {second} {total[second]:.2f} s, "
                   f"{total[first] / total[second]:.3f}x")
         for n in modes:
             same = sum(runs[(i, "none", n)][0][1] == runs[(i, "auto", n)][0][1] for i in ids)
             print(f"  {n}: auto == target-only {same}/{len(ids)}")
-        first, second = modes
         changed = sum(runs[(i, "none", first)][0][1] != runs[(i, "none", second)][0][1] for i in ids)
         print(f"  target-only outputs changed by the prompt numerics: {changed}/{len(ids)}")
 

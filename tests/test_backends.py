@@ -202,12 +202,9 @@ def test_a_walk_back_from_an_explored_draft_gives_the_masks_of_a_fresh_replay(sm
 def _takes(compiled, text: str, tokenizer) -> bool:
     """Whether ``text`` (as the tokenizer cuts it) is a complete output of ``compiled``."""
     m = compiled.matcher()
-    state = m.state
-    for t in tokenizer(text, add_special_tokens=False)["input_ids"]:
-        state = m.next_state(state, t)
-        if state is None:
-            return False
-    return m.is_done(state)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    states = m.walk(m.state, ids)
+    return len(states) == len(ids) + 1 and m.is_done(states[-1])
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "outlines-core"])
