@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
@@ -25,6 +25,9 @@ from .errors import (
     TokenLimitError,
 )
 from .models import ModelHandle, check_same_tokenizer, resolve_model
+
+if TYPE_CHECKING:
+    from .batching import BatchEngine, Request
 
 
 def repetition_error(dec: SpeculativeDecoder, tokenizer: Any) -> RepetitionError:
@@ -174,6 +177,19 @@ def prepare_request(handle: ModelHandle, draft: DraftSource | None, compiled: Co
     profile, k_max = opts.resolve_k_max(task)
     policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name)
     return RequestParts(prompt_ids, matcher, drafter, policy, profile, prefix_len)
+
+
+def submit_request(engine: BatchEngine, parts: RequestParts, opts: SpecOptions,
+                   on_tokens: Callable[[list[int]], None] | None = None) -> Request:
+    """Queue prepared parts on a batch engine with the request's options: the one place that
+    maps options onto ``BatchEngine.submit``, so ``extract``, the server and the benches decode
+    alike (a bench that left out ``max_repeats`` had run a loop to its token limit that
+    ``extract`` stops)."""
+    req = engine.submit(parts.prompt_ids, parts.matcher, drafter=parts.drafter, k_policy=parts.k_policy,
+                        temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens,
+                        prefix_len=parts.prefix_len, max_repeats=opts.max_repeats, on_tokens=on_tokens)
+    req.decoder.stats.profile = parts.profile
+    return req
 
 
 def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> DraftSource | None:

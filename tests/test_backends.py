@@ -242,3 +242,36 @@ def test_a_pydantic_class_is_decoded_with_its_declared_fields_only(smol_tokenize
     assert schema["additionalProperties"] is False and schema["$defs"]["City"]["additionalProperties"] is False
     assert schema["properties"]["scores"]["additionalProperties"] == {"type": "integer"}
     assert pydantic_schema(Open)["additionalProperties"] is True
+
+
+def test_close_objects_closes_plain_objects_and_leaves_joined_ones_as_written():
+    """``close_objects`` closes every object that lists its properties (nested, in ``$defs``, in
+    ``anyOf`` branches), and returns a schema that joins object schemas unchanged: closing a part
+    of an ``allOf`` would refuse what the whole allows. Checked with jsonschema: what the closed
+    copy accepts, the original accepts, and a joined schema still takes its combined object."""
+    import jsonschema
+
+    from constrained_spec.constraint.schema import close_objects
+
+    plain = {"type": "object", "properties": {"a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+                                              "b": {"anyOf": [{"$ref": "#/$defs/B"}, {"type": "null"}]}},
+             "$defs": {"B": {"type": "object", "properties": {"y": {"type": "string"}}}}}
+    closed = close_objects(plain)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["$defs"]["B"]["additionalProperties"] is False
+    assert "additionalProperties" not in plain  # a copy: the caller's schema is untouched
+    for value, ok in [({"a": {"x": 1}, "b": {"y": "s"}}, True), ({"a": {"x": 1}, "z": 1}, False),
+                      ({"a": {"x": 1, "w": 2}}, False), ({"b": {"y": "s", "w": 2}}, False), ({"b": None}, True)]:
+        assert jsonschema.Draft202012Validator(closed).is_valid(value) is ok, value
+        assert jsonschema.Draft202012Validator(plain).is_valid(value)  # the original takes every one
+
+    inherit = {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"extra": {"type": "integer"}}}],
+               "$defs": {"Base": {"type": "object", "properties": {"name": {"type": "string"}}}}}
+    beside_ref = {"$ref": "#/$defs/Base", "properties": {"extra": {"type": "integer"}},
+                  "$defs": {"Base": {"type": "object", "properties": {"name": {"type": "string"}}}}}
+    conditional = {"type": "object", "properties": {"kind": {"type": "string"}},
+                   "if": {"properties": {"kind": {"const": "a"}}}, "then": {"properties": {"n": {"type": "integer"}}}}
+    for joined in (inherit, beside_ref, conditional):
+        assert close_objects(joined) == joined
+    assert jsonschema.Draft202012Validator(close_objects(inherit)).is_valid({"name": "x", "extra": 1})

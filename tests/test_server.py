@@ -448,3 +448,27 @@ def test_hostile_constraints_are_refused_naming_the_limit(server):
         status, body = _post_raw(server, json.dumps(request).encode())
         assert status == 400 and limit in body["error"]["message"], (limit, body)
         assert body["error"]["code"] == "invalid_constraint"
+
+
+def test_a_strict_schema_decodes_its_declared_keys_only_and_a_non_strict_one_as_written(smol):
+    """``strict: true`` follows OpenAI's strict mode, whose outputs carry the declared keys only:
+    an object that leaves ``additionalProperties`` out is closed (OpenAI refuses such a schema;
+    we take the evident intent). Without ``strict`` the schema is decoded as written."""
+    from constrained_spec.constraint import DEFAULT_LIMITS
+    from constrained_spec.decoding import SpecOptions
+    from constrained_spec.serving.app import _compile
+    from constrained_spec.serving.protocol import parse_body
+
+    open_person = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
+    extra = '{"name": "Ana", "age": 3, "city": "Oslo"}'
+    ids = smol.tokenizer(extra, add_special_tokens=False)["input_ids"]
+    for strict, takes_extra in ((True, False), (False, True)):
+        body = {"model": "default", "messages": [{"role": "user", "content": PROMPT}],
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "person", "schema": open_person, "strict": strict}}}
+        spec = parse_body(json.dumps(body).encode(), "chat").constraint
+        compiled = _compile(spec, smol, SpecOptions(), DEFAULT_LIMITS)
+        m = compiled.compiled.matcher()
+        states = m.walk(m.state, ids)
+        assert (len(states) == len(ids) + 1 and m.is_done(states[-1])) is takes_extra, strict
+        assert (compiled.schema.schema.get("additionalProperties") is False) is strict

@@ -110,6 +110,8 @@ class LongPromptRow:
     reuse_first_token_s: list[float] = field(default_factory=list)
     reuse_tokens: list[int] = field(default_factory=list)
     valid: int = 0
+    #: Outputs the repetition guard stopped (a clear error to the caller, as ``extract`` raises).
+    stopped: int = 0
     outputs: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -126,14 +128,13 @@ class LongPromptRow:
 def _submit(engine: Any, handle: Any, schema: type[BaseModel], prompt: str,
             on_tokens: Callable[[list[int]], None] | None = None) -> Any:
     """Queue one extraction request as ``extract`` and the server do (default options, greedy)."""
-    from ..api import prepare_request
+    from ..api import prepare_request, submit_request
     from ..constraint import compile_constraint
     from ..decoding import SpecOptions
 
     opts = SpecOptions(max_new_tokens=96)
     parts = prepare_request(handle, None, compile_constraint(schema, handle.tokenizer), prompt, opts, "json")
-    req = engine.submit(parts.prompt_ids, parts.matcher, drafter=parts.drafter, k_policy=parts.k_policy,
-                        max_new_tokens=opts.max_new_tokens, prefix_len=parts.prefix_len, on_tokens=on_tokens)
+    req = submit_request(engine, parts, opts, on_tokens=on_tokens)
     req.schema = schema  # type: ignore[attr-defined]
     return req
 
@@ -220,6 +221,7 @@ def run_long_prompt_bench(tokens: int = 3900, short: int = 4, arrival: float = 1
             outcomes.append(req)
         row.outputs = len(outcomes)
         row.valid = sum(_valid(handle, r) for r in outcomes)
+        row.stopped = sum(r.decoder.repetition is not None for r in outcomes)
         rows.append(row)
     return rows
 

@@ -211,7 +211,7 @@ def _long_prompt_bench(tokens: int, json_out: Optional[Path], through_server: bo
         ("their time to the first token (s)", lambda r: " ".join(f"{s:.1f}" for s in r.reuse_first_token_s)),
         ("second and third against the first, to the first token",
          lambda r: " ".join(f"{r.reuse_first_token_s[0] / s:.1f}x" for s in r.reuse_first_token_s[1:])),
-        ("valid outputs", lambda r: f"{r.valid}/{r.outputs}"),
+        ("valid outputs", lambda r: f"{r.valid}/{r.outputs}" + (f" ({r.stopped} stopped by the repetition guard)" if r.stopped else "")),
     ]
     for name, cell in lines:
         table.add_row(name, *(cell(r) for r in rows))

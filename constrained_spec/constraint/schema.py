@@ -85,9 +85,8 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
 
 
 def pydantic_schema(model_cls: Any) -> dict:
-    """The JSON schema a pydantic class is decoded under: ``model_json_schema()`` with every
-    object that lists its properties and says nothing of others closed
-    (``additionalProperties: false``).
+    """The JSON schema a pydantic class is decoded under: ``model_json_schema()`` with its
+    objects closed (``close_objects``).
 
     Why: pydantic leaves ``additionalProperties`` out for its default ``extra="ignore"``, which
     by JSON Schema allows any other key, yet validation then drops those keys. Generating them
@@ -97,13 +96,46 @@ def pydantic_schema(model_cls: Any) -> dict:
     outputs and outlines emit the declared properties only, too. A model that wants other keys
     says so (``extra="allow"``: pydantic writes ``additionalProperties: true``, kept as is;
     ``extra="forbid"`` writes false)."""
+    return close_objects(model_cls.model_json_schema())
 
-    def close(node: dict, path: str) -> dict:
+
+#: Keywords under which closing an object could refuse what the schema allows:
+#: ``additionalProperties`` sees its own object's ``properties`` only, so in
+#: ``{"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"extra": ...}}]}`` a closed Base would
+#: refuse every object with ``extra``.
+_COMBINING = ("not", "if", "then", "else", "dependentSchemas", "dependencies", "unevaluatedProperties", "$dynamicRef")
+#: Keywords that each bring a schema of their own to the same object.
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref")
+_OBJECT_KEYWORDS = ("properties", "patternProperties", "additionalProperties")
+
+
+def _combines(node: dict) -> bool:
+    """Whether ``node`` joins object schemas so that closing one could refuse what another allows."""
+    if any(k in node for k in _COMBINING):
+        return True
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return True
+    applied = [k for k in _APPLICATORS if k in node]
+    return len(applied) > 1 or bool(applied and any(k in node for k in _OBJECT_KEYWORDS))
+
+
+def close_objects(schema: dict) -> dict:
+    """A copy of ``schema`` in which every object that lists its ``properties`` and says nothing
+    of others (no ``additionalProperties``) takes none (``false``): the declared keys only, as
+    pydantic classes and a server's ``strict: true`` schemas are decoded. Every output under the
+    copy is valid under ``schema``; a schema that joins object schemas (``_combines``: an
+    ``allOf`` of several, a ``$ref`` beside ``properties``, ``if``/``then``, ...) is returned as
+    written, since closing a part could refuse what the whole allows. Call it on a schema
+    already checked against the limits (it recurses)."""
+    if any(_combines(node) for _, node in iter_subschemas(schema)):
+        return schema
+
+    def close(node: dict, _path: str) -> dict:
         if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
             return {**node, "additionalProperties": False}
         return node
 
-    return map_subschemas(model_cls.model_json_schema(), close)
+    return map_subschemas(schema, close)
 
 
 def _parse(text: str, what: str, limits: Any) -> Any:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from ..api import generate_json, prepare_request, repetition_error, resolve_draft, validate_json_output
+from ..api import generate_json, prepare_request, repetition_error, resolve_draft, submit_request, validate_json_output
 from ..constraint import JsonSchema, compile_constraint, load_schema
 from ..batching import BatchEngine, Request
 from ..decoding import DecodeStats, SpecOptions
@@ -209,10 +209,7 @@ def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], han
             except ConstrainedSpecError as e:
                 order.append((doc_id, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
                 continue
-            req = engine.submit(parts.prompt_ids, parts.matcher, drafter=parts.drafter, k_policy=parts.k_policy,
-                                temperature=opts.temperature, seed=opts.seed, max_new_tokens=opts.max_new_tokens,
-                                prefix_len=parts.prefix_len, max_repeats=opts.max_repeats)
-            req.decoder.stats.profile = parts.profile
+            req = submit_request(engine, parts, opts)
             order.append((doc_id, req))
         while order and (isinstance(order[0][1], ExtractionResult) or order[0][1].done):
             doc_id, item = order.popleft()

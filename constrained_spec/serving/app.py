@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..api import chat_prefix_length, encode_chat, encode_text, prepare_request, resolve_draft, validate_json_output
 from ..constraint import CompiledConstraint, ConstraintLimits, JsonSchema, compile_constraint, load_schema
+from ..constraint.schema import close_objects
 from ..constraint.cache import ByteBoundedLRU
 from ..batching import BatchEngine
 from ..decoding import DecodeStats, SpecOptions
@@ -293,6 +294,8 @@ def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions, limit
     """Compile a request's constraint (the backend refuses one that matches nothing, the limits
     one that would cost too much) and the final check of its output."""
     schema = load_schema(spec.source, limits=limits) if spec.kind == "json" else None
+    if schema is not None and spec.closed:
+        schema = schema._replace(schema=close_objects(schema.schema))
     compiled = compile_constraint(schema if schema is not None else spec.source, handle.tokenizer, kind=spec.kind,
                                   backend=base.backend, lenient=spec.lenient, whitespace=base.whitespace,
                                   limits=limits)

@@ -122,16 +122,19 @@ class CompletionRequest(_Common):
 class ConstraintSpec:
     """The constraint a request asked for: a schema (``kind="json"``) or a pattern (``"regex"``).
     ``lenient``: relax keywords the backend cannot enforce (a non-strict schema); the output is
-    still validated against the full schema."""
+    still validated against the full schema. ``closed``: objects that leave
+    ``additionalProperties`` out take the declared keys only (``strict: true``, as OpenAI's
+    strict mode emits them; ``constraint.schema.close_objects``)."""
 
     kind: Literal["json", "regex"]
     source: Any
     lenient: bool = False
     param: str = "response_format"
+    closed: bool = False
 
     @property
     def cache_key(self) -> str:
-        return json.dumps([self.kind, self.source, self.lenient], sort_keys=True)
+        return json.dumps([self.kind, self.source, self.lenient, self.closed], sort_keys=True)
 
 
 #: A request without a constraint: any text, ended by the model's EOS or the token limit.
@@ -249,7 +252,8 @@ def _constraint(req: ChatRequest | CompletionRequest) -> ConstraintSpec:
         if rf.json_schema is None:
             raise ApiError(400, "Invalid 'response_format': type 'json_schema' needs a 'json_schema' object with "
                                 "its 'schema'.", param="response_format.json_schema", code="invalid_value")
-        found.append(ConstraintSpec("json", rf.json_schema.schema_, lenient=rf.json_schema.strict is not True,
+        strict = rf.json_schema.strict is True
+        found.append(ConstraintSpec("json", rf.json_schema.schema_, lenient=not strict, closed=strict,
                                     param="response_format.json_schema.schema"))
     elif rf is not None and rf.type == "json_object":
         if rf.json_schema is not None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..api import RequestParts
+from ..api import RequestParts, submit_request
 from ..batching import BatchEngine, Request
 from ..decoding import SpecOptions
 from ..batching.heap import libc_function
@@ -130,16 +130,11 @@ class EngineWorker:
         if job.cancelled:
             self._end(job, ("done", None))
             return
-        p, o = job.parts, job.options
         try:
-            req = self.engine.submit(p.prompt_ids, p.matcher, drafter=p.drafter, k_policy=p.k_policy,
-                                     temperature=o.temperature, seed=o.seed, max_new_tokens=o.max_new_tokens,
-                                     prefix_len=p.prefix_len, max_repeats=o.max_repeats,
-                                     on_tokens=lambda ids: job.post("tokens", ids))
+            req = submit_request(self.engine, job.parts, job.options, on_tokens=lambda ids: job.post("tokens", ids))
         except Exception as e:
             self._end(job, ("error", e))
             return
-        req.decoder.stats.profile = p.profile
         job.request = req
         self._jobs[req.id] = job
 
