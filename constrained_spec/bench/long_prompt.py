@@ -237,6 +237,8 @@ class ServerRow:
     long_cached_with_short_s: float = 0.0
     short_s: list[float] = field(default_factory=list)
     valid: int = 0
+    #: Outputs the repetition guard stopped.
+    stopped: int = 0
     outputs: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -301,5 +303,6 @@ def run_long_prompt_server(tokens: int = 3900, short: int = 4, arrival: float = 
         row.rss_after_mib = _rss_mib(proc.pid)
     row.outputs = len(outcomes)
     row.valid = sum(o.valid for o in outcomes)
+    row.stopped = sum(o.stopped == "repetition" for o in outcomes)
     row.errors = [o.error for o in outcomes if o.error]
     return row

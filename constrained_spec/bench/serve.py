@@ -38,6 +38,8 @@ class _Outcome:
     ttft: float | None = None
     seconds: float = 0.0
     error: str | None = None
+    #: The server's ``stopped`` figure (``"repetition"``: the repetition guard ended it).
+    stopped: str | None = None
 
 
 @dataclass
@@ -108,6 +110,7 @@ def _request(url: str, body: dict[str, Any], api_key: str | None) -> _Outcome:
                     raise RuntimeError(chunk["error"]["message"])
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+                out.stopped = (chunk.get("constrained_spec") or {}).get("stopped") or out.stopped
                 for choice in chunk.get("choices", []):
                     piece = choice.get("delta", {}).get("content") or ""
                     if piece and out.ttft is None:

@@ -228,7 +228,9 @@ def _long_prompt_bench(tokens: int, json_out: Optional[Path], through_server: bo
             ("long request alone (s), against in process", f"{server.long_alone_s:.1f} ({server.long_alone_s / alone:.2f}x)"),
             ("again, document cached, short ones beside it (s)", f"{server.long_cached_with_short_s:.1f}"),
             ("short requests arriving 1 s after it (s each)", " ".join(f"{s:.1f}" for s in server.short_s)),
-            ("valid outputs", f"{server.valid}/{server.outputs}" + (f" ({'; '.join(server.errors)})" if server.errors else "")),
+            ("valid outputs", f"{server.valid}/{server.outputs}"
+             + (f" ({server.stopped} stopped by the repetition guard)" if server.stopped else "")
+             + (f" ({'; '.join(server.errors)})" if server.errors else "")),
         ]:
             table.add_row(name, value)
         console.print(table)
