@@ -6,8 +6,11 @@ alike; figures are reported as ratios against target-only decoding measured in t
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,28 +218,63 @@ def outlines_row(handle: ModelHandle, max_new_tokens: int) -> Reference:
 def llama_cpp_row(max_new_tokens: int) -> Reference | None:
     """llama.cpp's own grammar path (llama-cpp-python) on the embedded GGUF as stored, with the
     grammar llama.cpp builds from the JSON schema; None where llama-cpp-python is not installed.
-    The same prompt token ids; its prompt cache is reset before each call (no reuse)."""
-    try:
-        from llama_cpp import Llama, LlamaGrammar
-    except ImportError:
+    The same prompt token ids; its prompt cache is reset before each call (no reuse). It runs in
+    a process of its own (``bench.llama_cpp_worker``), so a crash there costs the row, not the run."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
     from ..models.loading import DEFAULT_MODEL_FILE, _default_gguf_dir  # the embedded model only
 
-    llm = Llama(model_path=str(_default_gguf_dir() / DEFAULT_MODEL_FILE), n_ctx=4096, n_threads=os.cpu_count() or 1,
-                verbose=False)
-    llm([1, 2, 3], max_tokens=2, temperature=0.0)  # first-call allocations outside the timings
+    try:
+        worker = LlamaCppWorker(str(_default_gguf_dir() / DEFAULT_MODEL_FILE), os.cpu_count() or 1)
+    except RuntimeError as e:  # it could not even load and warm up: no row, and say why
+        print(f"No llama.cpp row: {e}", file=sys.stderr)
+        return None
 
     def prepare(schema: JsonSchema, text: str, ids: list[int]) -> Callable[[], str]:
-        grammar = LlamaGrammar.from_json_schema(json.dumps(schema.schema), verbose=False)
-
-        def call() -> str:
-            llm.reset()
-            out = llm(ids, grammar=grammar, max_tokens=max_new_tokens, temperature=0.0)
-            return out["choices"][0]["text"]
-
-        return call
+        grammar = worker.ask({"op": "grammar", "schema": schema.schema})["id"]
+        return lambda: worker.ask({"op": "generate", "grammar": grammar, "ids": ids, "max_tokens": max_new_tokens})["text"]
 
     return prepare
+
+
+class LlamaCppWorker:
+    """The bench's end of ``bench.llama_cpp_worker``: one process, asked one request at a time."""
+
+    def __init__(self, model_path: str, n_threads: int) -> None:
+        from . import llama_cpp_worker
+
+        self.proc = subprocess.Popen([sys.executable, llama_cpp_worker.__file__, model_path, str(n_threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        atexit.register(self.close)
+        self._read()  # "ready": the model is loaded and warm
+
+    def ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and return its reply; a reply with an error raises RuntimeError."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(f"llama.cpp's worker process ended (exit code {self.proc.wait()}).") from None
+        reply = self._read()
+        if "error" in reply:
+            raise RuntimeError(f"llama.cpp: {reply['error']}")
+        return reply
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp's worker process ended (exit code {self.proc.wait()}).")
+        return json.loads(line)
+
+    def close(self) -> None:
+        """End the worker process."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait(timeout=10)
 
 
 def run_bench(

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .threads import at_dense_threads
+
 GROUP = 32
 #: Bytes of one Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles.
 Q4_1_BLOCK_BYTES = 20
@@ -135,9 +137,12 @@ class Int4Linear(nn.Module):
             def prompt(rows: torch.Tensor) -> torch.Tensor:
                 if rows.shape[-2] < MIN_DENSE_ROWS[self.prompt_dtype]:
                     return self._kernel(rows)
-                if not dense:
-                    dense.append(self.prompt_weight.to(self.prompt_dtype))
-                return nn.functional.linear(rows.to(self.prompt_dtype), dense[0]).to(rows.dtype)
+                # At one thread count whatever the load: the library's split of the reduction,
+                # and so the bits, depend on it (models.threads).
+                with at_dense_threads():
+                    if not dense:
+                        dense.append(self.prompt_weight.to(self.prompt_dtype))
+                    return nn.functional.linear(rows.to(self.prompt_dtype), dense[0]).to(rows.dtype)
 
             return self.rows.apply(x, prompt, self._kernel)
         return self._kernel(x)

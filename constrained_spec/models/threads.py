@@ -14,7 +14,13 @@ may run on (``/proc/stat``) less this process's own CPU time, and gives torch th
 leave free (at least one, at most the thread count torch started with). Forwards give the same
 bits at any thread count (the int4 kernel computes each output alone, attention parallelizes
 over heads, the float64 reductions round to float32; tested), so changing it mid-request changes
-speed only.
+speed only. The one exception is the dense matmul of prompt rows (``models.int4``): oneDNN and
+MKL split a matmul's reduction by the thread count for some shapes (seen on an Intel Xeon with
+AMX: a 300-row bfloat16 prompt segment through the 576 x 1536 down projection, and the same in
+float32 from 128 rows; 2026-12-04), so a prompt's keys, and with them the output, changed with
+the load the governor saw. Those matmuls run at ``dense_threads()``, one count for the life of
+the process, whatever the governor chose: a request's output never depends on the machine's
+load (tested).
 
 ``CONSTRAINED_SPEC_THREADS``: "auto" (the default) as above; a number fixes the thread count
 (an operator who pins processes to cores); "off" leaves torch's setting alone.
@@ -152,3 +158,25 @@ def thread_governor() -> ThreadGovernor | _Fixed:
             raise InvalidOptionError(f"Invalid {THREADS_ENV}: expected 'auto', 'off' or a positive thread count, "
                                      f"got {value!r}.")
     return _GOVERNOR
+
+
+def dense_threads() -> int:
+    """The thread count every dense matmul of prompt rows runs at: the governor's most (the count
+    torch started with, or the fixed one), never the load-dependent current count (module
+    docstring)."""
+    governor = thread_governor()
+    return governor.max_threads if isinstance(governor, ThreadGovernor) else governor.threads
+
+
+class at_dense_threads:
+    """Run the block at ``dense_threads()`` and restore the count after (a few microseconds)."""
+
+    def __enter__(self) -> None:
+        self._saved = torch.get_num_threads()
+        want = dense_threads()
+        if want != self._saved:
+            torch.set_num_threads(want)
+
+    def __exit__(self, *exc: object) -> None:
+        if torch.get_num_threads() != self._saved:
+            torch.set_num_threads(self._saved)
