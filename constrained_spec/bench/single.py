@@ -257,7 +257,7 @@ class LlamaCppWorker:
             self.proc.stdin.write(json.dumps(message) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
-            raise RuntimeError(f"llama.cpp's worker process ended (exit code {self.proc.wait()}).") from None
+            raise self._ended() from None
         reply = self._read()
         if "error" in reply:
             raise RuntimeError(f"llama.cpp: {reply['error']}")
@@ -267,8 +267,11 @@ class LlamaCppWorker:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"llama.cpp's worker process ended (exit code {self.proc.wait()}).")
+            raise self._ended()
         return json.loads(line)
+
+    def _ended(self) -> RuntimeError:
+        return RuntimeError(f"llama.cpp's worker process ended (exit code {self.proc.wait()}).")
 
     def close(self) -> None:
         """End the worker process."""
