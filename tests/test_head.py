@@ -129,6 +129,41 @@ def test_incremental_cache_equals_a_fresh_one(setup):
     assert torch.allclose(l1, l2, atol=1e-9)
 
 
+@torch.no_grad()
+def test_the_inference_path_computes_the_training_forward(setup, monkeypatch):
+    """``HeadRunner`` (fused matrices, its own cache) gives ``DraftHead.forward``'s hidden states
+    and logits: a prompt of pairs (fed in two parts, the cache growing between), then one pair
+    at a time, then a crop and another pair."""
+    from transformers import DynamicCache
+
+    from constrained_spec.drafters import head_runner
+    from constrained_spec.drafters.head_runner import HeadRunner
+
+    monkeypatch.setattr(head_runner, "INITIAL_CAPACITY", 1)
+
+    _, _, _, head = setup
+    torch.manual_seed(3)
+    d = head.config.hidden_size
+    g = torch.randn(9, d, dtype=torch.float64)
+    x = torch.randint(0, 7, (9,))
+    cache, runner = DynamicCache(), HeadRunner(head)
+    h, logits = head(g[None, :6], x[None, :6], torch.arange(6)[None], cache)
+    runner.step(g[:2], x[:2], 0)
+    rh, rl = runner.step(g[2:6], x[2:6], 2)
+    assert torch.allclose(rh, h[0, -1], atol=1e-10) and torch.allclose(rl, logits[0, -1], atol=1e-10)
+    for t in (6, 7):
+        h, logits = head(g[None, t : t + 1], x[None, t : t + 1], torch.tensor([[t]]), cache)
+        rh, rl = runner.step(g[t : t + 1], x[t : t + 1], t)
+        assert torch.allclose(rl, logits[0, -1], atol=1e-10)
+    cache.crop(-1)
+    runner.crop(7)
+    assert runner.length == 7
+    h, logits = head(g[None, 8:9], x[None, 8:9], torch.tensor([[7]]), cache)
+    rh, rl = runner.step(g[8:9], x[8:9], 7)
+    assert torch.allclose(rh, h[0, -1], atol=1e-10) and torch.allclose(rl, logits[0, -1], atol=1e-10)
+    assert not torch.allclose(rl, head(g[None, 8:9], x[None, 8:9], torch.tensor([[7]]))[1][0, -1], atol=1e-6)
+
+
 def test_save_load_and_a_head_for_another_tokenizer_is_refused(setup, tmp_path):
     vocab, compiled, target, head = setup
     head.save(tmp_path / "head")

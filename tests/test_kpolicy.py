@@ -156,3 +156,34 @@ def test_a_costly_draft_that_keeps_failing_is_probed_ever_more_rarely():
     gaps = [b - a for a, b in zip([-1, *probes], probes)]
     assert gaps[:6] == [8, 16, 32, 64, 64, 64]
     assert gaps[6] == 8  # the 6th probe was accepted
+
+
+def test_a_costly_drafter_is_asked_while_its_tokens_cost_less_than_the_steps_do():
+    """Steps of 10 ms emitting 2 tokens price a token at 5 ms. An ask that costs 1 ms pays
+    while an ask brings at least 0.2 accepted head tokens: asked every time at 0.5 per ask,
+    then, once its asks bring none, refused except every 8th (a probe); a seeded sampled
+    request (no timings) always asks."""
+    policy = AdaptiveK(12)
+    policy._ask_seed.clear()
+    for _ in range(10):
+        policy.update(["lookup"], 1, 0.010, 0.0)
+    assert policy._spent / policy._emitted == pytest.approx(0.005)
+    for i in range(20):  # each ask: a lookup token and a head token, the head's accepted every other time
+        assert policy.worth_asking("head", 0.001)
+        policy.update(["lookup", "head"], 1 + i % 2, 0.010, 0.0)
+    assert policy.ask_gain("head") > 0.2
+    asked = []
+    for i in range(120):  # now the head's asks bring nothing (the steps still emit 2 tokens)
+        if policy.worth_asking("head", 0.001):
+            asked.append(i)
+            policy.update(["lookup", "head"], 1, 0.010, 0.0)
+    assert policy._spent / policy._emitted == pytest.approx(0.005, rel=0.2)
+    assert policy.ask_gain("head") < 0.2
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert gaps[-5:] == [8] * 5
+    assert len(asked) < 40
+    seeded = AdaptiveK(12, deterministic=True)
+    for _ in range(10):
+        seeded.update(["head"], 0, 0.010, 0.0)
+    assert all(seeded.worth_asking("head", 0.001) for _ in range(20))
+    assert FixedK(4).worth_asking("head", 1.0)

@@ -57,6 +57,14 @@ CONFIDENCE_PRIOR_WEIGHT = 2.0
 #: Forgetting factor of a key's bucket counts, applied at each step that examines the key.
 CONFIDENCE_DECAY = 0.97
 _RECENT_CONFIDENCE: dict[tuple[str, int], float] = {}
+#: Tokens a costly drafter's ask brings (accepted tokens of its kind per ask, refused asks
+#: included) before a request has measured it (``AdaptiveK.worth_asking``), the weight of that
+#: prior in asks, the forgetting factor per ask, and the refused asks between two probes.
+PRIOR_ASK_GAIN = 0.5
+ASK_PRIOR_WEIGHT = 2.0
+ASK_DECAY = 0.9
+ASK_PROBE_GAP = 8
+_RECENT_ASK_GAIN: dict[str, float] = {}
 
 
 def confidence_bucket(confidence: float) -> int:
@@ -97,6 +105,9 @@ class KPolicy(Protocol):
         """A gate for a costly drafter that knows its confidence: called with the confidence of
         each next token before it is drawn, True while that token is worth drafting."""
 
+    def worth_asking(self, kind: str, seconds_per_ask: float) -> bool:
+        """Whether to ask a costly drafter of ``kind`` at the next position at all."""
+
     def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
         """Whether the costly kind should draft the next position before a free part of ``free_kind``."""
 
@@ -135,6 +146,10 @@ class FixedK:
                     seconds_per_token: float) -> DraftGate:
         """Always open: the baseline drafts what it is allowed."""
         return lambda c: True
+
+    def worth_asking(self, kind: str, seconds_per_ask: float) -> bool:
+        """Always: the baseline asks every drafter."""
+        return True
 
     def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
         """Never: the baseline keeps the drafter's own order."""
@@ -312,12 +327,22 @@ class AdaptiveK:
     _conf_succ: dict[tuple[str, int], float] = field(default_factory=dict)
     _conf_trials: dict[tuple[str, int], float] = field(default_factory=dict)
     _conf_seed: dict[tuple[str, int], float] = field(default_factory=dict)
+    #: Per costly kind: decayed asks and the accepted tokens of that kind they brought, the
+    #: seed of their ratio, and refused asks since the last probe (``worth_asking``).
+    _asks: dict[str, float] = field(default_factory=dict)
+    _ask_gain: dict[str, float] = field(default_factory=dict)
+    _ask_seed: dict[str, float] = field(default_factory=dict)
+    _asks_refused: int = 0
+    #: Decayed seconds and emitted tokens of the timed steps: the request's price per token.
+    _spent: float = 0.0
+    _emitted: float = 0.0
 
     def __post_init__(self) -> None:
         # Seed this request from what recent requests measured (a snapshot: this request's
         # own updates must not feed back into its prior).
         self._seed = dict(PRIOR_ALPHA) if self.deterministic else {**PRIOR_ALPHA, **_RECENT_ALPHA}
         self._conf_seed = {} if self.deterministic else dict(_RECENT_CONFIDENCE)
+        self._ask_seed = {} if self.deterministic else dict(_RECENT_ASK_GAIN)
         recent = None if self.deterministic else _RECENT_CURVE.get(self.cost_key)
         shape, r = recent if recent is not None else (self.cost_shape, self.cost_prior)
         self._curve = _CurveFit(shape=shape, prior=r)
@@ -454,6 +479,34 @@ class AdaptiveK:
             survive, expected = p, expected + p
         return survive, expected
 
+    def worth_asking(self, kind: str, seconds_per_ask: float) -> bool:
+        """Whether to ask a costly drafter of ``kind`` (a learned head) at the next position:
+        while the tokens of that kind an ask brings (``ask_gain``), at the request's price per
+        emitted token (its timed steps' seconds over their tokens), are worth more than the
+        ask's measured seconds. An ask costs the drafter a step even when its gate then refuses
+        every token, so a head that is rarely confident where it is asked (inside auto on
+        generation prompts, 6 tokens accepted from 81 asks) buys its tokens dearer than the
+        steps do and lowers the rate. A refused ask is probed every ``ASK_PROBE_GAP``, so a
+        low estimate can recover. Decided from past steps only, before anything is drawn at
+        the position, so the output law is untouched; a seeded sampled request (no timings)
+        always asks. True counts an ask."""
+        ask = True
+        if not self.deterministic and seconds_per_ask > 0 and self._emitted > 0:
+            ask = self.ask_gain(kind) * self._spent / self._emitted >= seconds_per_ask
+            if not ask:
+                self._asks_refused += 1
+                if self._asks_refused >= ASK_PROBE_GAP:
+                    ask, self._asks_refused = True, 0
+        if ask:
+            self._asks[kind] = self._asks.get(kind, 0.0) * ASK_DECAY + 1
+            self._ask_gain[kind] = self._ask_gain.get(kind, 0.0) * ASK_DECAY
+        return ask
+
+    def ask_gain(self, kind: str) -> float:
+        """Accepted tokens of the costly ``kind`` per ask (decayed counts over the prior)."""
+        seed = self._ask_seed.get(kind, PRIOR_ASK_GAIN)
+        return (self._ask_gain.get(kind, 0.0) + seed * ASK_PRIOR_WEIGHT) / (self._asks.get(kind, 0.0) + ASK_PRIOR_WEIGHT)
+
     def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
         """Whether the costly kind (a learned head) should draft the next position before a free
         part (lookup, a copy) that has a proposal there: when its acceptance estimate at that
@@ -519,15 +572,21 @@ class AdaptiveK:
                 self._conf_succ[cell] = self._conf_succ.get(cell, 0.0) + (i < accepted)
             if key in COSTLY_KINDS:  # the first token of a costly run
                 self._costly_probe_gap = 8 if i < accepted else min(64, 2 * self._costly_probe_gap)
+        for kind in self._asks:
+            self._ask_gain[kind] += sum(1 for x in kinds[:accepted] if x == kind)
         if self.deterministic:
             return  # no timings, and nothing passed on to other requests
         for key in set(keys):
             _RECENT_ALPHA[key] = self.alpha(key)
+        for kind in self._asks:
+            _RECENT_ASK_GAIN[kind] = self.ask_gain(kind)
         for key, conf in examined:
             if conf is not None:
                 _RECENT_CONFIDENCE[(key, confidence_bucket(conf))] = self.alpha_at(key, conf)
         k = len(kinds)
         if verify_seconds is not None:
+            self._spent = 0.9 * self._spent + verify_seconds + draft_seconds
+            self._emitted = 0.9 * self._emitted + accepted + 1
             self._cost.add(k, verify_seconds)
             self._curve.add(k, verify_seconds)
             if self._curve.n >= 4:

@@ -43,6 +43,11 @@ class DraftBudget(Protocol):
         """A gate for a costly part that knows its confidence, after ``kinds`` (with their
         confidences) so far: see ``DraftGate``."""
 
+    def worth_asking(self, kind: str, seconds_per_ask: float) -> bool:
+        """Whether to ask the costly ``kind`` at all at the next position: each ask costs
+        ``seconds_per_ask`` (a learned head feeds the accepted tokens and computes its first
+        law even when its gate then refuses). True counts an ask."""
+
 
 #: Called by a drafter with the confidence of its next token (its probability of the token it
 #: would draft there, known before the token is drawn); True while that token is worth drafting.
@@ -124,6 +129,11 @@ class Drafter:
 
     #: Measured seconds per drafted token of a drafter that pays per token (0: free or unknown).
     seconds_per_token: float = 0.0
+    #: Measured seconds per ask of such a drafter, refused asks included (0: unknown).
+    seconds_per_ask: float = 0.0
+    #: The most tokens of other drafters, earlier in the same proposal, such a drafter drafts
+    #: after (None: any); a composite drafter does not ask it past that.
+    max_rollover: int | None = None
 
     def timings(self) -> dict[str, float]:
         """Seconds spent drafting, per kind, for drafters that time themselves."""

@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from ..constraint import Matcher, State
 from ..errors import InvalidOptionError, ModelLoadError, TokenizerMismatchError
 from .base import Draft, DraftBudget, Drafter, DraftGate, draw_masked
+from .head_runner import HeadRunner
 from .int8_linear import int8_kernel_available, use_int8_linears
 
 CONFIG_FILE = "head_config.json"
@@ -300,6 +301,7 @@ class HeadDrafter(Drafter):
         self.seconds = 0.0
         self._t_synced = 0.0
         self._fed_prompt = False
+        self._ran = False
         #: The law's size: the target's logits (the matcher's vocabulary may be shorter: padding rows).
         self.size = max(head._embed[0].num_embeddings, matcher.vocab.size)
         self._in_vocab = torch.zeros(self.size, dtype=torch.bool)
@@ -327,7 +329,7 @@ class HeadDrafter(Drafter):
         self.start: int | None = None
         self.tokens: list[int] = []
         self.g: list[torch.Tensor] = []
-        self.cache = DynamicCache()
+        self.runner = HeadRunner(self.head)  # the head's cache of this request, and its steps
         self.fed = 0  # pairs (g_t, x_{t+1}) in the head cache, from ``start`` on
 
     def set_generator(self, generator: torch.Generator | None) -> None:
@@ -366,14 +368,8 @@ class HeadDrafter(Drafter):
 
     def _crop(self, pairs: int) -> None:
         if pairs < self.fed:
-            self._cut_cache(pairs)
+            self.runner.crop(pairs)
             self.fed = pairs
-
-    def _cut_cache(self, length: int) -> None:
-        """Keep the head cache's first ``length`` positions (``crop`` takes how many to drop)."""
-        extra = self.cache.get_seq_length() - length
-        if extra > 0:
-            self.cache.crop(-extra)
 
     @torch.no_grad()
     def _sync(self, last: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -385,11 +381,9 @@ class HeadDrafter(Drafter):
         self._crop(min(self.fed, n - 1))  # the last pair's next token may have changed
         # Pairs fed now: t = fed .. n-1, next tokens tokens[t+1] (and ``last`` for t = n-1).
         nxt = self.tokens[self.fed + 1 :] + [last]
-        g = torch.stack(self.g[self.fed :])[None]
-        pos = torch.arange(self.start + self.fed, self.start + n)[None]
-        h, logits = self.head(g, torch.tensor([nxt]), pos, self.cache)
+        h, logits = self.runner.step(torch.stack(self.g[self.fed :]), torch.tensor(nxt), self.start + self.fed)
         self.fed = n
-        return h[0, -1], logits[0, -1]
+        return h, logits
 
     def _allowed(self, state: State) -> torch.Tensor:
         """Per entry of ``V_d``: whether it may be drafted at ``state`` (the matcher allows it,
@@ -415,7 +409,11 @@ class HeadDrafter(Drafter):
     def propose(self, context: list[int], state: State, k: int) -> Draft:
         """Up to ``k`` tokens from the head, masked by the matcher along the path and by ``V_d``
         (each gated by the K policy's estimate at its confidence when it has one)."""
-        gate = self.budget.costly_gate([], None, self.name, self.seconds_per_token) if self.budget is not None else None
+        gate = None
+        if self.budget is not None:
+            if not self.budget.worth_asking(self.name, self.seconds_per_ask):
+                return self.empty(state)
+            gate = self.budget.costly_gate([], None, self.name, self.seconds_per_token)
         return self.propose_gated(context, state, k, gate)
 
     @torch.no_grad()
@@ -426,14 +424,19 @@ class HeadDrafter(Drafter):
         if k <= 0:
             return self.empty(state)
         t0 = time.perf_counter()
+        self._ran = False
         draft = self._propose(context, state, k, gate)
         t2 = time.perf_counter()
         self.seconds += t2 - t0
-        if draft.tokens:  # what the K policy weighs this drafter's tokens by (a moving average)
-            # Per drafted token, feeding the pairs accepted since the last proposal included (a
-            # head asked rarely catches up on many), the prompt's own pairs not: they are fed
-            # once, at a request's first proposal, whatever follows.
-            per = (t2 - (self._t_synced if self._fed_prompt else t0)) / len(draft.tokens)
+        # What the K policy weighs this drafter by (moving averages): per drafted token and per
+        # ask that ran the head, feeding the pairs accepted since the last proposal included (a
+        # head asked rarely catches up on many), the prompt's own pairs not: they are fed once,
+        # at a request's first proposal, whatever follows.
+        spent = t2 - (self._t_synced if self._fed_prompt else t0)
+        if self._ran and not self._fed_prompt:
+            self.seconds_per_ask = spent if not self.seconds_per_ask else 0.8 * self.seconds_per_ask + 0.2 * spent
+        if draft.tokens:
+            per = spent / len(draft.tokens)
             self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
         return draft
 
@@ -448,14 +451,15 @@ class HeadDrafter(Drafter):
         if len(context) - seen - 1 > self.max_rollover:
             return self.empty(state)
         self._fed_prompt = self.fed == 0
+        self._ran = True
         h, logits = self._sync(context[seen])  # type: ignore[misc]
         self._t_synced = time.perf_counter()
         pos = seen
         # Tokens another drafter proposed before this one in the same step (a hybrid draft):
         # the head rolls over them on its own states, as over its own draft tokens.
         for x in context[seen + 1 :]:
-            hh, ll = self.head(h[None, None], torch.tensor([[x]]), torch.tensor([[pos]]), self.cache)
-            h, logits, pos = hh[0, -1], ll[0, -1], pos + 1
+            h, logits = self.runner.step(h[None], torch.tensor([x]), pos)
+            pos += 1
         states, tokens, qs = [state], [], []
         confidence: list[float | None] = []
         for i in range(k):
@@ -479,8 +483,6 @@ class HeadDrafter(Drafter):
             confidence.append(conf)
             states.append(nxt)
             if i + 1 < k:  # roll on the head's own hidden state, in the cache beyond the context
-                hh, ll = self.head(h[None, None], torch.tensor([[x]]), torch.tensor([[pos + i]]), self.cache)
-                h, logits = hh[0, -1], ll[0, -1]
-        # Draft pairs are dropped from the cache at the next sync (they lie past ``fed``).
-        self._cut_cache(self.fed)
+                h, logits = self.runner.step(h[None], torch.tensor([x]), pos + i)
+        self.runner.crop(self.fed)  # the draft's own pairs: the next sync feeds the accepted ones
         return Draft(tokens, states, torch.stack(qs) if qs else None, self.name, confidence=confidence)

@@ -91,6 +91,10 @@ class HybridDrafter(Drafter):
                 room = k - len(tokens)
                 gate = None
                 if part.name in COSTLY_KINDS:
+                    if part.max_rollover is not None and len(tokens) > part.max_rollover:
+                        continue  # it would return nothing: not an ask
+                    if self.budget is not None and not self.budget.worth_asking(part.name, part.seconds_per_ask):
+                        continue
                     room = min(room, self.max_model_tokens)
                     if self.budget is not None and part.confidence_gated:
                         # Each of its tokens is weighed at its own confidence as it is drafted.
