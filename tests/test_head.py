@@ -533,7 +533,8 @@ def test_a_preferred_head_drafts_where_lookup_could_and_the_output_is_unchanged(
 
 def test_the_hybrid_gates_its_head_and_the_head_alone_gates_itself(setup):
     """A budget whose gate refuses every head token leaves the head out of the hybrid's drafts
-    and of its own (drafting alone); the output stays the target-only output either way."""
+    and of its own (drafting alone); one that refuses to ask it never runs the head at all
+    (no time spent, nothing in its cache); the output stays the target-only output every way."""
     from constrained_spec.drafters import LookupDrafter
     from constrained_spec.drafters.hybrid import HybridDrafter
 
@@ -543,18 +544,27 @@ def test_the_hybrid_gates_its_head_and_the_head_alone_gates_itself(setup):
         def costly_gate(self, kinds, confidence, kind, seconds_per_token):
             return lambda c: False
 
+    class NotAsked(FixedK):
+        def worth_asking(self, kind, seconds_per_ask):
+            return False
+
     prompt = [6, 6, 6, 1]  # lookup has nothing here: the head is asked
     ref = decode(target, compiled.matcher(), prompt, max_new_tokens=16)
-    drafted = {}
-    for policy in (FixedK(4), Shut(4)):
+    drafted, ran = {}, {}
+    for policy in (FixedK(4), Shut(4), NotAsked(4)):
         for alone in (False, True):
             m = compiled.matcher()
-            drafter = HeadDrafter(head, m) if alone else HybridDrafter([LookupDrafter(m), HeadDrafter(head, m)])
+            part = HeadDrafter(head, m)
+            drafter = part if alone else HybridDrafter([LookupDrafter(m), part])
             res = decode(target, m, prompt, drafter=drafter, k_policy=policy, max_new_tokens=16)
             assert res.tokens == ref.tokens
             drafted[(type(policy).__name__, alone)] = res.stats.per_kind.get("head", {}).get("drafted", 0)
+            ran[(type(policy).__name__, alone)] = part.seconds > 0 or part.fed > 0
     assert drafted[("FixedK", False)] > 0 and drafted[("FixedK", True)] > 0
     assert drafted[("Shut", False)] == 0 and drafted[("Shut", True)] == 0
+    assert ran[("Shut", False)] and ran[("Shut", True)]  # asked, then refused token by token
+    assert drafted[("NotAsked", False)] == 0 and drafted[("NotAsked", True)] == 0
+    assert not ran[("NotAsked", False)] and not ran[("NotAsked", True)]
 
 
 def test_the_hybrid_asks_its_free_parts_most_likely_first(setup):
