@@ -253,6 +253,9 @@ def shipped_head_dir(target: Any, tokenizer_fingerprint: str) -> Path | None:
 
 
 _LOADED: "weakref.WeakKeyDictionary[Any, dict[str, DraftHead]]" = weakref.WeakKeyDictionary()
+#: Per head: the last request's (seconds per drafted token, seconds per ask), which seed the next
+#: request's, so that its first asks are weighed by what asking cost (``AdaptiveK.worth_asking``).
+_RECENT_TIMINGS: "weakref.WeakKeyDictionary[DraftHead, tuple[float, float]]" = weakref.WeakKeyDictionary()
 
 
 def head_for(target: Any, tokenizer_fingerprint: str, directory: str | Path | None = None) -> DraftHead | None:
@@ -299,6 +302,7 @@ class HeadDrafter(Drafter):
         self.generator = generator
         self.taps = head.config.taps
         self.seconds = 0.0
+        self.seconds_per_token, self.seconds_per_ask = _RECENT_TIMINGS.get(head, (0.0, 0.0))
         self._t_synced = 0.0
         self._fed_prompt = False
         self._ran = False
@@ -325,10 +329,12 @@ class HeadDrafter(Drafter):
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Forget the previous request: no features, an empty head cache."""
-        #: Absolute position of the first token with features; their tokens and projections.
+        #: Absolute position of the first token with features; their tokens and features (the
+        #: taps concatenated: projected only when fed, so steps where the head is not asked
+        #: cost no projection).
         self.start: int | None = None
         self.tokens: list[int] = []
-        self.g: list[torch.Tensor] = []
+        self.features: list[torch.Tensor] = []
         self.runner = HeadRunner(self.head)  # the head's cache of this request, and its steps
         self.fed = 0  # pairs (g_t, x_{t+1}) in the head cache, from ``start`` on
 
@@ -357,14 +363,14 @@ class HeadDrafter(Drafter):
             self.start, keep = start, 0
         self._keep(keep)
         self.tokens.extend(int(t) for t in tokens)
-        self.g.extend(self.head.project_features(features).unbind(0))
+        self.features.extend(features.unbind(0))
 
     def _keep(self, keep: int) -> None:
         """Keep the first ``keep`` tokens with features (and the pairs still valid)."""
         # Pairs (g_t, x_{t+1}) stay valid while x_{t+1} does: those with t + 1 < keep.
         self._crop(min(self.fed, max(0, keep - 1)))
         del self.tokens[keep:]
-        del self.g[keep:]
+        del self.features[keep:]
 
     def _crop(self, pairs: int) -> None:
         if pairs < self.fed:
@@ -381,7 +387,8 @@ class HeadDrafter(Drafter):
         self._crop(min(self.fed, n - 1))  # the last pair's next token may have changed
         # Pairs fed now: t = fed .. n-1, next tokens tokens[t+1] (and ``last`` for t = n-1).
         nxt = self.tokens[self.fed + 1 :] + [last]
-        h, logits = self.runner.step(torch.stack(self.g[self.fed :]), torch.tensor(nxt), self.start + self.fed)
+        g = self.head.project_features(torch.stack(self.features[self.fed :]))
+        h, logits = self.runner.step(g, torch.tensor(nxt), self.start + self.fed)
         self.fed = n
         return h, logits
 
@@ -438,6 +445,8 @@ class HeadDrafter(Drafter):
         if draft.tokens:
             per = spent / len(draft.tokens)
             self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
+        if self._ran:
+            _RECENT_TIMINGS[self.head] = (self.seconds_per_token, self.seconds_per_ask)
         return draft
 
     def _propose(self, context: list[int], state: State, k: int, gate: DraftGate | None) -> Draft:
