@@ -175,7 +175,8 @@ def prepare_request(handle: ModelHandle, draft: DraftSource | None, compiled: Co
                             head=draft.head if draft else None, corpus=draft.corpus if draft else None,
                             temperature=opts.temperature, source_text=prompt)
     profile, k_max = opts.resolve_k_max(task)
-    policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name)
+    policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name,
+                           drafters=drafter.signature if drafter is not None else "")
     return RequestParts(prompt_ids, matcher, drafter, policy, profile, prefix_len)
 
 

@@ -49,5 +49,10 @@ def _fresh_k_estimates():
     would depend on which tests ran before it."""
     from constrained_spec.decoding import kpolicy
 
+    from constrained_spec.drafters import head
+
     kpolicy._RECENT_ALPHA.clear()  # in place: tests import these dicts by name
     kpolicy._RECENT_CURVE.clear()
+    kpolicy._RECENT_CONFIDENCE.clear()
+    kpolicy._RECENT_ASK_GAIN.clear()
+    head._RECENT_TIMINGS.clear()

@@ -93,8 +93,10 @@ def test_adaptive_estimates_follow_acceptance():
         policy.update(["model"] * 4, 4, 0.05, 0.001)
     assert policy.alpha("model+") > 0.8
     assert policy.next_k() > 0
-    assert _RECENT_ALPHA["model+"] == pytest.approx(policy.alpha("model+"))  # seeds the next request
+    assert _RECENT_ALPHA[""]["model+"] == pytest.approx(policy.alpha("model+"))  # seeds the next request
     assert AdaptiveK(k_max=8)._seed["model+"] == pytest.approx(policy.alpha("model+"))
+    # Only requests with the same drafters: another configuration starts from the prior.
+    assert AdaptiveK(k_max=8, history_key="other")._seed["model+"] == pytest.approx(0.6)
     _RECENT_ALPHA.clear()
 
 

@@ -42,7 +42,7 @@ PRIOR_C_HEAD = 0.15
 #: replace it (``_RECENT_CURVE``, keyed by ``AdaptiveK.cost_key``: the shape and r).
 PRIOR_R_CURVE = 0.25
 PRIOR_CURVE_SHAPE = "concave"
-_RECENT_ALPHA: dict[str, float] = {}
+_RECENT_ALPHA: dict[str, dict[str, float]] = {}
 _RECENT_CURVE: dict[str, tuple[str, float]] = {}
 #: Upper edges of the confidence buckets a gated draft token is estimated by (its drafter's
 #: probability of the token it drafts, before drawing it). The acceptance of a learned head's
@@ -56,7 +56,7 @@ CONFIDENCE_PRIOR = (0.15, 0.4, 0.6, 0.775, 0.9, 0.975)
 CONFIDENCE_PRIOR_WEIGHT = 2.0
 #: Forgetting factor of a key's bucket counts, applied at each step that examines the key.
 CONFIDENCE_DECAY = 0.97
-_RECENT_CONFIDENCE: dict[tuple[str, int], float] = {}
+_RECENT_CONFIDENCE: dict[str, dict[tuple[str, int], float]] = {}
 #: Tokens a costly drafter's ask brings (accepted tokens of its kind per ask, refused asks
 #: included) before a request has measured it (``AdaptiveK.worth_asking``), the weight of that
 #: prior in asks, the forgetting factor per ask, and the refused asks between two probes.
@@ -64,7 +64,7 @@ PRIOR_ASK_GAIN = 0.5
 ASK_PRIOR_WEIGHT = 2.0
 ASK_DECAY = 0.9
 ASK_PROBE_GAP = 8
-_RECENT_ASK_GAIN: dict[str, float] = {}
+_RECENT_ASK_GAIN: dict[str, dict[str, float]] = {}
 
 
 def confidence_bucket(confidence: float) -> int:
@@ -298,6 +298,12 @@ class AdaptiveK:
         cost_key: which model and precision the timings come from; recent fits seed only
             requests with the same key (a native forward's cost grows twice as fast with K as
             a float32 one's).
+        history_key: which model and drafter configuration the acceptance estimates come
+            from; recent requests seed only requests with the same key. The same kind is right
+            at different rates in different company: lookup alone drafts every position it can,
+            inside auto only those forced text and copies leave it; a head alone is asked
+            everywhere, inside auto only where nothing else drafts. Shared by kind alone, the
+            rows of one bench run seeded one another.
     """
 
     k_max: int
@@ -308,6 +314,7 @@ class AdaptiveK:
     cost_prior: float = PRIOR_R_CURVE
     cost_shape: str = PRIOR_CURVE_SHAPE
     cost_key: str = ""
+    history_key: str = ""
     decay: float = 0.9
     prior_weight: float = 4.0
     _succ: dict[str, float] = field(default_factory=dict)
@@ -340,9 +347,10 @@ class AdaptiveK:
     def __post_init__(self) -> None:
         # Seed this request from what recent requests measured (a snapshot: this request's
         # own updates must not feed back into its prior).
-        self._seed = dict(PRIOR_ALPHA) if self.deterministic else {**PRIOR_ALPHA, **_RECENT_ALPHA}
-        self._conf_seed = {} if self.deterministic else dict(_RECENT_CONFIDENCE)
-        self._ask_seed = {} if self.deterministic else dict(_RECENT_ASK_GAIN)
+        recent_alpha = {} if self.deterministic else _RECENT_ALPHA.get(self.history_key, {})
+        self._seed = {**PRIOR_ALPHA, **recent_alpha}
+        self._conf_seed = {} if self.deterministic else dict(_RECENT_CONFIDENCE.get(self.history_key, {}))
+        self._ask_seed = {} if self.deterministic else dict(_RECENT_ASK_GAIN.get(self.history_key, {}))
         recent = None if self.deterministic else _RECENT_CURVE.get(self.cost_key)
         shape, r = recent if recent is not None else (self.cost_shape, self.cost_prior)
         self._curve = _CurveFit(shape=shape, prior=r)
@@ -580,13 +588,16 @@ class AdaptiveK:
             self._ask_gain[kind] += sum(1 for x in kinds[:accepted] if x == kind)
         if self.deterministic:
             return  # no timings, and nothing passed on to other requests
+        recent_alpha = _RECENT_ALPHA.setdefault(self.history_key, {})
         for key in set(keys):
-            _RECENT_ALPHA[key] = self.alpha(key)
+            recent_alpha[key] = self.alpha(key)
+        recent_gain = _RECENT_ASK_GAIN.setdefault(self.history_key, {})
         for kind in self._asks:
-            _RECENT_ASK_GAIN[kind] = self.ask_gain(kind)
+            recent_gain[kind] = self.ask_gain(kind)
+        recent_conf = _RECENT_CONFIDENCE.setdefault(self.history_key, {})
         for key, conf in examined:
             if conf is not None:
-                _RECENT_CONFIDENCE[(key, confidence_bucket(conf))] = self.alpha_at(key, conf)
+                recent_conf[(key, confidence_bucket(conf))] = self.alpha_at(key, conf)
         k = len(kinds)
         if verify_seconds is not None:
             self._spent = 0.9 * self._spent + verify_seconds + draft_seconds

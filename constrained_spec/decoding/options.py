@@ -130,10 +130,12 @@ class SpecOptions:
             return profile, 0
         return profile, self.k_max if self.k_max is not None else profile_k
 
-    def k_policy(self, k_max: int, *, profile: str = "cpu", precision: str = "float32", model: str = "") -> KPolicy:
+    def k_policy(self, k_max: int, *, profile: str = "cpu", precision: str = "float32", model: str = "",
+                 drafters: str = "") -> KPolicy:
         """A fresh K policy for one request, capped at ``k_max`` (from ``resolve_k_max``); its
         cost prior is the profile's for the model's ``precision``, and it learns from earlier
-        requests on the same ``model`` and precision."""
+        requests on the same ``model`` and precision (its acceptance estimates, from those with
+        the same ``drafters`` too: ``Drafter.signature``)."""
         if self.drafter == "none" or not self.adaptive:
             return FixedK(k_max)
         # A seeded sampled request must not depend on timings or on earlier requests.
@@ -141,7 +143,8 @@ class SpecOptions:
         shape, r = verify_cost_prior(profile, precision)
         return AdaptiveK(k_max, costly_draft=self.drafter in ("model", "head"),
                          costly_kind=self.drafter if self.drafter in ("model", "head") else "model", deterministic=deterministic,
-                         cost_prior=r, cost_shape=shape, cost_key=f"{model}:{precision}")
+                         cost_prior=r, cost_shape=shape, cost_key=f"{model}:{precision}",
+                         history_key=f"{model}:{precision}:{drafters}")
 
 
 def _is_int(value: Any) -> bool:

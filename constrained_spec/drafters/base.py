@@ -158,6 +158,12 @@ class Drafter:
         """Every matcher this drafter walks (one per part for composite drafters)."""
         return [self.matcher]
 
+    @property
+    def signature(self) -> str:
+        """What this drafter is made of (its kind; a composite's parts in order): requests with
+        the same signature share the K policy's acceptance estimates."""
+        return self.name
+
     def empty(self, state: State) -> Draft:
         """A proposal of no tokens."""
         return Draft([], [state], None, self.name)

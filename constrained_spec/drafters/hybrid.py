@@ -78,6 +78,11 @@ class HybridDrafter(Drafter):
         """The one matcher all parts walk."""
         return [self.matcher]
 
+    @property
+    def signature(self) -> str:
+        """``hybrid(part, part, ...)`` in the declared order."""
+        return f"{self.name}({','.join(part.signature for part in self.parts)})"
+
     def propose(self, context: list[int], state: State, k: int) -> Draft:
         """Concatenate the parts' proposals until ``k`` tokens are drafted."""
         tokens: list[int] = []
