@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -40,6 +40,9 @@ MAX_CANDIDATES = 8
 #: among the allowed ones stays at least this (the K policy trims the rest by confidence).
 CHAIN_CONFIDENCE = 0.5
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: the hash is a polynomial in it, wrapping mod 2^64
+#: The same hash in Python integers for one query (numpy scalar arithmetic cost ~1 us an op).
+_BASE_INT = int(_BASE)
+_MASK = (1 << 64) - 1
 
 
 class OutputCorpus:
@@ -67,24 +70,25 @@ class OutputCorpus:
         """The number of tokens indexed (separators excluded)."""
         return int((self.tokens >= 0).sum())
 
-    def continuations(self, suffix: Sequence[int]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    def continuations(self, suffix: Sequence[int]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """Per order from the longest the suffix allows down to 1, where the corpus has the
-        last n tokens of ``suffix``: (n, next tokens, their counts), most frequent first."""
-        found = []
-        h = np.uint64(0)
-        power = np.uint64(1)
+        last n tokens of ``suffix``: (n, next tokens, their counts), most frequent first.
+        Lazy: a drafter that takes the first order it can use searches no shorter one (inside
+        auto it queries at every position another drafter leaves, ~2,000 times on 10
+        generation prompts)."""
         hashes = []
-        with np.errstate(over="ignore"):
-            for n in range(1, min(self.max_order, len(suffix)) + 1):
-                h = h + np.uint64(suffix[-n] + 1) * power
-                power = power * _BASE
-                hashes.append(h)
+        h, power = 0, 1
+        for n in range(1, min(self.max_order, len(suffix)) + 1):
+            h = (h + (int(suffix[-n]) + 1) * power) & _MASK
+            power = (power * _BASE_INT) & _MASK
+            hashes.append(h)
         for n in range(len(hashes), 0, -1):
             keys, nexts, counts = self._orders[n - 1]
-            lo, hi = np.searchsorted(keys, hashes[n - 1], "left"), np.searchsorted(keys, hashes[n - 1], "right")
-            if hi > lo:
-                found.append((n, nexts[lo:hi], counts[lo:hi]))
-        return found
+            key = np.uint64(hashes[n - 1])
+            lo = int(np.searchsorted(keys, key, "left"))
+            if lo < len(keys) and keys[lo] == key:
+                hi = int(np.searchsorted(keys, key, "right"))
+                yield n, nexts[lo:hi], counts[lo:hi]
 
     def save(self, directory: str | Path) -> Path:
         """Write the corpus to ``directory/corpus.safetensors`` (the tokens and the fingerprint)."""
