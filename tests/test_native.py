@@ -271,21 +271,29 @@ def _check_batch_invariance(native_and_tokens) -> None:
 @pytest.mark.slow
 @torch.no_grad()
 @pytest.mark.parametrize("long_context", [None, "inside the prompt"])
-def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_tokens, long_context, monkeypatch):
+@pytest.mark.parametrize("scripted", [True, False])
+def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_tokens, long_context, scripted,
+                                                                      monkeypatch):
     """The flat decode and verify forward (``models.native_decode``) gives transformers' forward's
     bits: the final hidden states, every layer's hidden states and the cache it fills, for 1 to 21
     new rows after a prompt; forwards it does not cover (prompt rows) take transformers' path.
-    Also with ``LONG_CONTEXT`` moved into the prompt (float32 blocks, a float32 cache)."""
+    Also with ``LONG_CONTEXT`` moved into the prompt (float32 blocks, a float32 cache). Both ways
+    the flat forward runs its layers: the TorchScript stack (before ``LONG_CONTEXT``; checked
+    that it ran) and the Python loop."""
     from constrained_spec.decoding.growing_cache import growing_cache
-    from constrained_spec.models import invariant
+    from constrained_spec.models import invariant, native_decode
 
     if long_context:
         monkeypatch.setattr(invariant, "LONG_CONTEXT", len(native_and_tokens[1]) // 2)
+    stacks = []
+    compiled = native_decode.scripted_stack
+    monkeypatch.setattr(native_decode, "scripted_stack", lambda: stacks.append(1) or compiled())
 
     native, prompt, out = native_and_tokens
     model, out = native.model, out * 2  # 35 tokens are fed in all
     flat = model.model.native_decode
     assert flat.enabled and len(out) >= 35
+    monkeypatch.setattr(flat, "scripted", scripted)
     results = {}
     for enabled in (True, False):
         flat.enabled = enabled
@@ -308,6 +316,7 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
             flat.enabled = True
     (flat_out, flat_keys, flat_calls), (stock_out, stock_keys, stock_calls) = results[True], results[False]
     assert flat_calls == [1, 4, 1, 12, 21] and stock_calls == []  # the prompt pass went to transformers
+    assert len(stacks) == (5 if scripted and not long_context else 0)
     for (a, ha), (b, hb) in zip(flat_out, stock_out):
         assert torch.equal(a, b) and len(ha) == len(hb) == model.config.num_hidden_layers + 1
         assert all(torch.equal(x, y) for x, y in zip(ha, hb))

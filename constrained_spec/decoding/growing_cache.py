@@ -91,6 +91,20 @@ class GrowingLayer(DynamicLayer):
         self._views()
         return self.keys, self.values
 
+    def room_for(self, like_k: torch.Tensor, like_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For a caller that writes new positions itself (``models.native_decode``'s scripted
+        stack): the buffers, grown as ``update`` would grow them for ``like_k`` / ``like_v``
+        (``[b, heads, n, dim]``), and the position the new ones start at. ``advance(n)``
+        afterwards makes them held."""
+        self._reserve(like_k, like_v, self.length + like_k.shape[-2])
+        assert self._k is not None and self._v is not None
+        return self._k, self._v, self.length
+
+    def advance(self, n: int) -> None:
+        """Hold the ``n`` positions written after the held ones (see ``room_for``)."""
+        self.length += n
+        self._views()
+
     def get_seq_length(self) -> int:
         """Positions held."""
         return self.length if self.is_initialized else 0
