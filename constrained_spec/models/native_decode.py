@@ -112,8 +112,8 @@ _SCRIPTED: list[Any] = []
 
 
 def scripted_stack() -> Any:
-    """``_scripted_stack`` compiled by TorchScript, once per process (about a second, at the first
-    one-row forward). Why: a one-row forward is some 45 small ops a layer, and Python's share of
+    """``_scripted_stack`` compiled by TorchScript, once per process (about 0.01 s, at the first
+    forward that takes it). Why: a one-row forward is some 45 small ops a layer, and Python's share of
     dispatching them was about a quarter of the forward (the decoder stack after a 300-token
     prompt: 10.0-10.4 against 13.6-14.2 ms, median of 40, the same bits). Run by the plain
     interpreter (``torch.jit.optimized_execution(False)``): no fusion, no rewritten graph, each
@@ -206,8 +206,8 @@ class NativeDecode:
             like = torch.empty(1, self._kv_shape[0], n, self._kv_shape[1], dtype=torch.float32)
             rooms = [layer.room_for(like, like) for layer in cache.layers]
             with torch.jit.optimized_execution(False):
-                outs = stack(x[0], cos, sin, mask, [r[0] for r in rooms], [r[1] for r in rooms], past,
-                                        hidden, **self._weights)
+                outs = stack(x[0], cos, sin, mask, [r[0] for r in rooms], [r[1] for r in rooms], past, hidden,
+                             **self._weights)
             for layer in cache.layers:
                 layer.advance(n)
             out = _norm(base.norm, outs[-1])[None]
