@@ -1,13 +1,14 @@
-"""The draft head's inference path: one request's head cache and its steps, without transformers.
+"""The draft head's inference path: one request's head cache and its steps, without transformers' decoder layer.
 
 ``DraftHead.forward`` runs transformers' ``LlamaDecoderLayer`` over a ``DynamicCache``: right for
 training (autograd, any batch) but, for one request drafting a token at a time, a third of a
-step went to module dispatch, the cache's list bookkeeping, the rotary module and the mask
-built per call (measured on the shipped head, one row over 300 cached positions: 1.01 ms warm /
+step went to the decoder layer's dispatch, the cache's list bookkeeping and the mask built per
+call (measured on the shipped head, one row over 300 cached positions: 1.01 ms warm /
 1.49 ms with the caches evicted, against 0.68 / 1.03 ms here). ``HeadRunner`` computes the same
 layer from the same weights (q/k/v and gate/up each fused into one matrix: their int8 rows keep
 their own scales, so the fused product is the separate ones' bits), with the keys and values in
-preallocated tensors. Hand-written because no library runs a single decoder layer this way.
+preallocated tensors; the norms and the rotary embedding are transformers' own. Hand-written
+because no library runs a single decoder layer this way.
 
 Its numbers may differ from ``DraftHead.forward`` in the last bits (another matmul blocking in
 float32); that changes which tokens are drafted, never the output law: the drafter's q is what
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .int8_linear import Int8Linear
 
@@ -87,8 +89,6 @@ class HeadRunner:
         self.num_heads, self.num_kv_heads = c.num_heads, c.num_kv_heads
         self.head_dim = c.hidden_size // c.num_heads
         self.weights = fused_weights(head)
-        self.inv_freq = head.rotary.inv_freq.to(torch.float32)
-        self.attention_scaling = float(getattr(head.rotary, "attention_scaling", 1.0))
         self.keys = self.values = torch.empty(0)
         self.length = 0
 
@@ -109,22 +109,6 @@ class HeadRunner:
             values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values = keys, values
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE as transformers' Llama applies it (``rotate_half``), at absolute ``positions``."""
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq[None]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(x.dtype)
-        sin = (emb.sin() * self.attention_scaling).to(x.dtype)
-        half = self.head_dim // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-    @staticmethod
-    def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        """``LlamaRMSNorm`` (variance in float32, the weight applied in the input's dtype)."""
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        return norm.weight * h.to(x.dtype)
-
     @torch.no_grad()
     def step(self, g: torch.Tensor, next_tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed pairs ``(g_t, x_{t+1})``: ``g`` ``[T, d]``, ``next_tokens`` ``[T]``, at absolute
@@ -134,23 +118,22 @@ class HeadRunner:
         layer = head.layer
         t, nh, kvh, hd = g.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         u = head.proj(torch.cat([g.to(head.dtype), head.embed(next_tokens)], dim=-1))  # [T, d]
-        x = self._norm(u, layer.input_layernorm)
-        qkv = w.qkv(x)
-        positions = torch.arange(start, start + t)
-        q = self._rotate(qkv[:, : nh * hd].view(t, nh, hd).transpose(0, 1), positions)
-        k = self._rotate(qkv[:, nh * hd : (nh + kvh) * hd].view(t, kvh, hd).transpose(0, 1), positions)
+        qkv = w.qkv(layer.input_layernorm(u))
+        cos, sin = head.rotary(u, torch.arange(start, start + t)[None])  # transformers' RoPE, as in training
+        q, k = apply_rotary_pos_emb(qkv[None, :, : nh * hd].view(1, t, nh, hd).transpose(1, 2),
+                                    qkv[None, :, nh * hd : (nh + kvh) * hd].view(1, t, kvh, hd).transpose(1, 2), cos, sin)
         v = qkv[:, (nh + kvh) * hd :].view(t, kvh, hd).transpose(0, 1)
         self._room(t)
         past = self.length
-        self.keys[0, :, past : past + t] = k
+        self.keys[0, :, past : past + t] = k[0]
         self.values[0, :, past : past + t] = v
         self.length = past + t
         # Causal within the new pairs, every cached one visible (one pair: no mask at all).
         mask = torch.ones(t, past + t, dtype=torch.bool).tril(past) if t > 1 else None
-        a = F.scaled_dot_product_attention(q[None], self.keys[:, :, : past + t], self.values[:, :, : past + t],
+        a = F.scaled_dot_product_attention(q, self.keys[:, :, : past + t], self.values[:, :, : past + t],
                                            attn_mask=mask, enable_gqa=True)  # [1, nh, T, hd]
         x = u + layer.self_attn.o_proj(a[0].transpose(0, 1).reshape(t, nh * hd))
-        gate_up = w.gate_up(self._norm(x, layer.post_attention_layernorm))
+        gate_up = w.gate_up(layer.post_attention_layernorm(x))
         inter = gate_up.shape[-1] // 2
         h = x + layer.mlp.down_proj(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
         last = h[-1]
