@@ -105,6 +105,33 @@ class GrowingLayer(DynamicLayer):
         self.length += n
         self._views()
 
+    def holds(self, buffer: torch.Tensor) -> bool:
+        """Whether this layer's keys live in ``buffer`` (``move_into``)."""
+        return self._k is buffer
+
+    def move_into(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None) -> None:
+        """Keep the positions in ``keys`` / ``values`` (``[b, heads, capacity, dim]``, of this
+        layer's dtype) from now on, the held ones copied there; None: in fresh buffers of the
+        layer's own. Why: ``models.cuda_graphs`` replays graphs that write to fixed buffers,
+        so the request whose forward it runs moves into them, and out again when another one's
+        forward comes (the same positions, the same values)."""
+        old_k, old_v, n = self._k, self._v, self.length
+        if old_k is None or old_v is None:
+            return
+        if keys is None or values is None:
+            self._k = self._v = None
+            self.length = 0
+            self._reserve(old_k, old_v, max(n, 1))
+        else:
+            if keys.shape[-2] < n:
+                raise ValueError(f"move_into: {n} positions held, the buffers take {keys.shape[-2]}")
+            self._k, self._v = keys, values
+        if n:
+            self._k[:, :, :n] = old_k[:, :, :n]
+            self._v[:, :, :n] = old_v[:, :, :n]
+        self.length = n
+        self._views()
+
     def get_seq_length(self) -> int:
         """Positions held."""
         return self.length if self.is_initialized else 0

@@ -276,6 +276,13 @@ def _make_invariant(model: Any) -> None:
     except (ValueError, AttributeError, TypeError) as e:
         warnings.warn(f"{type(model).__name__} could not be made batch-invariant ({e}); greedy speculative "
                       "output may differ from target-only output where two tokens nearly tie.", stacklevel=3)
+        return
+    # On a GPU, decode and verify forwards replay CUDA graphs (models.cuda_graphs); the
+    # environment's CONSTRAINED_SPEC_CUDA_GRAPHS=off keeps them eager.
+    if os.environ.get("CONSTRAINED_SPEC_CUDA_GRAPHS", "on").lower() not in ("off", "0", "false", "no"):
+        from .cuda_graphs import install_cuda_graphs
+
+        install_cuda_graphs(model)
 
 
 @torch.no_grad()

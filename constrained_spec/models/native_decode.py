@@ -240,6 +240,16 @@ _PLAIN = {"attention_mask": None, "position_ids": None, "inputs_embeds": None, "
           "return_dict": (None, True)}
 
 
+def plain_forward(input_ids: torch.Tensor | None, cache: Any, use_cache: bool | None, kwargs: dict[str, Any]) -> bool:
+    """Whether a decoder stack's forward is a request's own decode or verify pass: one row of
+    new tokens after a cache, no gradient, and no keyword argument beyond ``_PLAIN``'s values
+    (what the flat path here and the CUDA graphs of ``models.cuda_graphs`` compute)."""
+    return (input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] > 0
+            and cache is not None and bool(use_cache) and not torch.is_grad_enabled()
+            and all(k in _PLAIN and (v in _PLAIN[k] if isinstance(_PLAIN[k], tuple) else v is _PLAIN[k])
+                    for k, v in kwargs.items()))
+
+
 def install_native_decode(model: Any) -> bool:
     """Give ``model``'s decoder stack the flat path for plain decode and verify forwards (in
     place); returns whether it could (a model that is not fused int4 keeps its forward)."""
@@ -253,11 +263,7 @@ def install_native_decode(model: Any) -> bool:
 
     def forward(input_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = None,
                 output_hidden_states: bool | None = None, **kwargs: Any) -> Any:
-        plain = (flat.enabled and input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] > 0
-                 and cache is not None and use_cache and not torch.is_grad_enabled()
-                 and all(k in _PLAIN and (v in _PLAIN[k] if isinstance(_PLAIN[k], tuple) else v is _PLAIN[k])
-                         for k, v in kwargs.items()))
-        if not plain:
+        if not (flat.enabled and plain_forward(input_ids, cache, use_cache, kwargs)):
             return stock(input_ids=input_ids, cache=cache, use_cache=use_cache, output_hidden_states=output_hidden_states,
                          **kwargs)
         last, states = flat.run(input_ids, cache, bool(output_hidden_states))
