@@ -18,7 +18,9 @@ model's on the allowed tokens (up to the rounding of a different summation order
 
 Models whose logits are more than a plain output layer of the final hidden state (a final
 softcap, a logit scale, another kind of layer, a hook on it) keep the full projection
-(``supports_subsets``).
+(``supports_subsets``), and so do models on a GPU: there the whole matrix is read in
+microseconds (49,152 x 576 bfloat16, 57 MB, at 4.8 TB/s), while each subset row is a transfer of
+its ids, a gather, a product and a copy back, each waiting on the last.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def supports_subsets(target: Any) -> bool:
     layers = [out, getattr(out, "linear", None)] if isinstance(out, BucketedLinear) else [out]
     plain = all(isinstance(m, nn.Linear) or type(m) in (BucketedLinear, Q8OutputProjection) for m in layers)
     hooked = any(m._forward_hooks or m._forward_pre_hooks for m in layers if isinstance(m, nn.Module))
-    return (out is not None and plain and not hooked and hasattr(target, "base_model")
+    on_gpu = out is not None and any(p.device.type == "cuda" for p in out.parameters())
+    return (out is not None and plain and not hooked and not on_gpu and hasattr(target, "base_model")
             and getattr(config, "final_logit_softcapping", None) is None
             and getattr(config, "logits_scaling", 1.0) in (1, 1.0, None)
             and getattr(config, "logit_scale", 1.0) in (1, 1.0, None))
