@@ -40,18 +40,29 @@ from .threads import at_dense_threads
 GROUP = 32
 #: Bytes of one Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles.
 Q4_1_BLOCK_BYTES = 20
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return []
+
+
 #: Per dense dtype, prompt segments shorter than this stay on the kernel: the dense path reads
 #: every layer's weights (203 MiB a forward in bfloat16; the float32 path converts them first,
 #: about 1 GB of memory traffic), which a few rows do not repay. The crossover is measured as
 #: requests meet it: a prompt pass between decode steps, whose kernel weights are warm and whose
-#: dense weights are not (first forwards of whole requests, medians of five, ms, dense /
-#: kernel, bfloat16 on AVX512_BF16, 2026-12-03): 51 rows 192 / 104, 71 rows 229 / 205, 104 rows
-#: 268 / 226, 124 rows 309 / 311, 145 rows 335 / 381, 167 rows 387 / 451, 206 rows 431 / 508.
-#: (Timed in a loop of dense calls alone the crossover looked like 24 rows, which sent every
-#: extraction document's 24-29 rows after its cached template through the dense path: 186 against
-#: 114 ms a prompt pass.) float32 (an earlier machine, loop-timed): 16 rows 130 / 198, 32 rows
-#: 200 / 217, 64 rows 330-390 / 284, 100 rows 580-760 / 445, 300 rows 1,580-1,650 / 958.
-MIN_DENSE_ROWS = {torch.bfloat16: 128, torch.float32: 48}
+#: dense weights are not (medians of five, ms, dense / kernel). bfloat16 with AMX (Intel Xeon,
+#: 2026-12-04, once the dense matmul no longer copied the weights on each call): 16 rows 81.9 /
+#: 74.9, 24 rows 85.4 / 86.1, 32 rows 89.7 / 104.6, 48 rows 102.2 / 137.7, 64 rows 106.9 /
+#: 166.6, 96 rows 117.5 / 223.6, 128 rows 136.4 / 285.0: 32 rows. bfloat16 without AMX
+#: (AVX512_BF16, AMD EPYC, 2026-12-03, with those copies, which took about 66 ms of a 300-row
+#: pass here): 51 rows 192 / 104,
+#: 71 rows 229 / 205, 104 rows 268 / 226, 124 rows 309 / 311; less the copies, about 64 rows
+#: (estimated: no such machine here since). float32 (an earlier machine, loop-timed): 16 rows
+#: 130 / 198, 32 rows 200 / 217, 64 rows 330-390 / 284, 100 rows 580-760 / 445.
+MIN_DENSE_ROWS = {torch.bfloat16: 32 if "amx_bf16" in _cpu_flags() else 64, torch.float32: 48}
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,10 +70,7 @@ def bfloat16_matmul_in_hardware() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (the ``avx512_bf16`` or ``amx_bf16``
     flag), where oneDNN's bfloat16 matmul beats float32. Read from the flags, not timed, so the
     choice (and with it a prompt's bits) is the same in every run on one machine."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         return False
     # oneDNN must be built with bfloat16 too (a private query; a torch without it: assume so).
@@ -142,7 +150,12 @@ class Int4Linear(nn.Module):
                 with at_dense_threads():
                     if not dense:
                         dense.append(self.prompt_weight.to(self.prompt_dtype))
-                    return nn.functional.linear(rows.to(self.prompt_dtype), dense[0]).to(rows.dtype)
+                    # As a matrix: a slice of a forward's rows keeps the whole tensor's batch
+                    # stride, and matmul then takes bmm over a copy of the weights made on each
+                    # call (measured: 2.2 ms a layer of a 300-row prompt pass, a fifth of it).
+                    flat = rows.reshape(-1, self.in_features).to(self.prompt_dtype)
+                    out = nn.functional.linear(flat, dense[0]).to(rows.dtype)
+                    return out.reshape(*rows.shape[:-1], self.out_features)
 
             return self.rows.apply(x, prompt, self._kernel)
         return self._kernel(x)
