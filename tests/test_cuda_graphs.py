@@ -179,3 +179,28 @@ def test_greedy_speculative_output_with_graphs_equals_target_only(device, patter
         spec = decode(target, m, ids, drafter=ModelDrafter(draft, m), k_policy=FixedK(8), max_new_tokens=64)
         assert same.tokens == base.tokens and spec.tokens == base.tokens, start
         assert runner.stats.served - served >= len(base.tokens) - 1 + spec.stats.target_forwards - 1
+
+
+@pytest.mark.parametrize("device", MODES)
+def test_buffers_grow_as_a_request_needs_them(monkeypatch, device):
+    """The runner's buffers start small and double while a request holds them (its keys moved
+    over, the graphs of the old buffers dropped): the same bits as the eager forward throughout."""
+    from constrained_spec.models import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "FIRST_BUFFER", 128)
+    model, runner = graphed_model(device, capacity=600)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(1, 512, (100,), generator=g).tolist()
+    feeds = [torch.randint(1, 512, (k,), generator=g).tolist() for k in (1, 8, 16, 32, 32, 32, 32, 32, 32, 32, 3)]
+    outs = {}
+    for enabled in (False, True):
+        runner.enabled = enabled
+        cache = growing_cache(model.config.num_hidden_layers, torch.float64)
+        step(model, cache, prompt, len(prompt) - 1)
+        outs[enabled] = [step(model, cache, ids) for ids in feeds]  # 100 -> 352 positions held
+    for i, ((ha, la), (hb, lb)) in enumerate(zip(outs[False], outs[True])):
+        assert torch.equal(ha, hb) and torch.equal(la, lb), i
+    assert runner.keys[0].shape[2] == 512 and runner.stats.grows == 1  # the first key bucket (256), then 512
+    assert runner.stats.served == len(feeds)
+    if device == "cuda":  # the graphs of the first buffers were dropped, the later ones captured
+        assert all(keys == 512 for _, keys in runner._graphs)

@@ -15,8 +15,9 @@ A graph replays fixed shapes on fixed addresses, so what it records is a *static
   the graph runner's own key and value buffers, with a mask built inside the graph from the
   rows' positions. The positions past the held ones are masked; the padded rows' keys are
   written there and overwritten by the next real ones;
-- the KV cache: the runner owns one float64 buffer per layer of ``capacity`` positions (the
-  model's context), and the request whose forward it runs *holds* them: its
+- the KV cache: the runner owns one float64 buffer per layer, grown by doubling as requests
+  need (from ``FIRST_BUFFER`` positions up to the model's context; a growth drops the graphs,
+  which read the old buffers), and the request whose forward it runs *holds* them: its
   ``GrowingLayer``s are moved into them (``GrowingLayer.move_into``), so a step writes its
   keys in place and a rollback is still a length. Another request's forward moves the holder
   out into buffers of its own first; one request at a time is the single-request decoder's
@@ -56,6 +57,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 256
 #: The most positions the runner's buffers hold when the model's config states no context.
 DEFAULT_CAPACITY = 8192
+#: Positions the runner's buffers hold at first. Why not the whole context at once: float64
+#: keys and values take 16 bytes per number, which for a long-context model's full window is
+#: gigabytes that most requests never use.
+FIRST_BUFFER = 1024
 
 
 def row_bucket(rows: int) -> int | None:
@@ -98,6 +103,8 @@ class GraphStats:
 
     #: Forwards the static path computed (replayed from a graph where capturing).
     served: int = 0
+    #: Times the buffers grew (each drops the graphs captured on the old ones).
+    grows: int = 0
     captures: int = 0
     capture_seconds: float = 0.0
     #: Forwards left to the eager path.
@@ -120,14 +127,14 @@ class GraphedDecode:
         first = next(self.base.parameters())
         self.device = first.device
         self.capture = self.device.type == "cuda" if capture is None else capture
+        #: The most positions a graphed forward reaches (its rows included).
         self.capacity = int(capacity or getattr(config, "max_position_embeddings", None) or DEFAULT_CAPACITY)
         self.layers = list(self.base.layers[: config.num_hidden_layers])
-        attn = self.layers[0].self_attn
-        kv_heads = config.num_key_value_heads
-        shape = (1, kv_heads, self.capacity, attn.head_dim)
-        # float64: what the decoder's cache holds for a batch-invariant model (exact copies).
-        self.keys = [torch.zeros(shape, dtype=torch.float64, device=self.device) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=torch.float64, device=self.device) for _ in self.layers]
+        self._kv_shape = (config.num_key_value_heads, self.layers[0].self_attn.head_dim)
+        #: Each layer's key and value buffers (float64: what the decoder's cache holds for a
+        #: batch-invariant model, exact copies), allocated at the first forward (``_room``).
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
         self._ids = torch.zeros(1, ROW_BUCKETS[-1], dtype=torch.long, device=self.device)
         self._positions = torch.zeros(1, ROW_BUCKETS[-1], dtype=torch.long, device=self.device)
         self._graphs: dict[tuple[int, int], tuple[Any, list[torch.Tensor]]] = {}
@@ -157,6 +164,24 @@ class GraphedDecode:
         # The padded rows' keys are written too: the whole bucket must fit the buffers.
         keys = key_bucket(past + bucket, self.capacity)
         return None if keys is None else (bucket, keys)
+
+    def _room(self, keys: int) -> None:
+        """Buffers of at least ``keys`` positions: grown by doubling (from ``FIRST_BUFFER``, at
+        most ``capacity``), the old buffers' graphs dropped."""
+        held = self.keys[0].shape[2] if self.keys else 0
+        if keys <= held:
+            return
+        size = max(FIRST_BUFFER, 2 * held)
+        while size < keys:
+            size *= 2
+        size = min(size, self.capacity)
+        shape = (1, self._kv_shape[0], size, self._kv_shape[1])
+        # The holder keeps the old buffers as its own (nothing is lost); ``_hold`` moves the
+        # request under way into the new ones.
+        self.keys, self.values = ([torch.zeros(shape, dtype=torch.float64, device=self.device) for _ in self.layers]
+                                  for _ in range(2))
+        self._graphs.clear()
+        self.stats.grows += bool(held)
 
     def _hold(self, cache: Any) -> None:
         """Make ``cache``'s layers hold the runner's buffers, moving the previous holder's
@@ -226,6 +251,7 @@ class GraphedDecode:
         rows, keys = bucket
         n = input_ids.shape[1]
         with self._lock:
+            self._room(keys)
             self._hold(cache)
             past = cache.layers[0].get_seq_length()
             self._ids[:, :n].copy_(input_ids)
