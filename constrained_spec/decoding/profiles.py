@@ -34,12 +34,19 @@ K_MAX_PROFILES: dict[str, dict[str, int]] = {
 #: Prior shape and r of the verify-cost curve t(K) = t0 (1 + r g(K)) by (profile, precision)
 #: (``kpolicy.CURVE_SHAPES``); the adaptive policy refits both online. Measured on the 2-core CPU
 #: with SmolLM2-135M: float32 after a 100-token prompt, t0 58 ms, K = 8 / 16 / 24 at 87 / 101 /
-#: 112 ms (concave, r ~0.2); native with ``constrained-spec bench --profile-forward`` (300-token
-#: prompt), 1 / 4 / 12 / 21 new tokens at 84 / 108 / 206 / 266 ms: linear, +0.10 / 0.13 / 0.11
-#: of a pass per token (the int4 kernel and the float64 attention pay per row).
+#: 112 ms (concave, r ~0.2); native (the scripted layer loop, Intel Xeon with AMX, 2026-12-04,
+#: after a 300-token prompt, the last row's logits, medians of 12, twice): 1 / 2 / 4 / 8 / 12 /
+#: 16 / 21 new tokens at 13.6 / 15.3 / 18.4 / 27.8 / 36.6 / 43.7 / 60.7 ms: linear, +0.12 /
+#: 0.12 / 0.15 / 0.15 / 0.15 / 0.17 of a pass per token (the int4 kernel and the float64
+#: attention pay per row; before the loop was scripted, 84 / 108 / 206 / 266 ms for 1 / 4 / 12 /
+#: 21 on a slower machine, r ~0.11: the forward's fixed part shrank). A Hopper GPU
+#: (an H200, bfloat16, batch-invariant, CUDA graphs, SmolLM2-135M's shapes after a 300-token
+#: context, ``benchmarks/gpu_graphs.py``): 1 / 4 / 12 / 21 new tokens at 5.12 / 5.63 / 5.94 /
+#: 5.86 ms, nearly flat (concave, r ~0.04).
 VERIFY_COST_PRIORS: dict[tuple[str, str], tuple[str, float]] = {("cpu", "float32"): ("concave", 0.25),
-                                                                ("cpu", "native"): ("linear", 0.11),
-                                                                ("cpu", "native-exact"): ("linear", 0.11)}
+                                                                ("cpu", "native"): ("linear", 0.15),
+                                                                ("cpu", "native-exact"): ("linear", 0.15),
+                                                                ("h100-80gb", "bfloat16"): ("concave", 0.04)}
 DEFAULT_VERIFY_COST = ("concave", 0.25)
 
 
