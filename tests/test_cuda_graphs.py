@@ -204,3 +204,28 @@ def test_buffers_grow_as_a_request_needs_them(monkeypatch, device):
     assert runner.stats.served == len(feeds)
     if device == "cuda":  # the graphs of the first buffers were dropped, the later ones captured
         assert all(keys == 512 for _, keys in runner._graphs)
+
+
+def test_a_forward_that_cannot_be_captured_falls_back_to_eager():
+    """Capture failing (a model or a torch whose forward cannot be recorded): that forward and
+    every later one run eagerly, with a warning, and the outputs are the eager ones."""
+    model, runner = graphed_model("cpu")
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(1, 512, (30,), generator=g).tolist()
+    feeds = [torch.randint(1, 512, (k,), generator=g).tolist() for k in (1, 3, 1)]
+    runner.enabled = False
+    cache = growing_cache(model.config.num_hidden_layers, torch.float64)
+    step(model, cache, prompt, len(prompt) - 1)
+    eager = [step(model, cache, ids) for ids in feeds]
+
+    def cannot_capture(rows, keys):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner.enabled, runner.capture, runner._graph = True, True, cannot_capture
+    cache = growing_cache(model.config.num_hidden_layers, torch.float64)
+    step(model, cache, prompt, len(prompt) - 1)
+    with pytest.warns(UserWarning, match="CUDA graphs are off"):
+        fallen = [step(model, cache, ids) for ids in feeds]
+    assert not runner.enabled and runner.stats.served == 0 and runner.stats.eager == 2 * (1 + len(feeds))
+    for (ha, la), (hb, lb) in zip(eager, fallen):
+        assert torch.equal(ha, hb) and torch.equal(la, lb)

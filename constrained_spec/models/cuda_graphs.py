@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -244,10 +245,12 @@ class GraphedDecode:
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, cache: Any, bucket: tuple[int, int],
-            hidden: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+            hidden: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None] | None:
         """Feed ``input_ids`` ``[1, n]`` after ``cache``'s positions through the bucket's static
         forward (replayed from its graph where capturing); returns the final hidden states
-        ``[1, n, d]`` and, with ``hidden``, every layer's (as ``output_hidden_states``)."""
+        ``[1, n, d]`` and, with ``hidden``, every layer's (as ``output_hidden_states``). None
+        where the graph could not be captured: nothing was fed, the runner is off from then
+        on (with a warning), and the caller takes the eager forward."""
         rows, keys = bucket
         n = input_ids.shape[1]
         with self._lock:
@@ -258,7 +261,13 @@ class GraphedDecode:
             self._ids[:, n:rows].zero_()
             self._positions[0, :rows].copy_(torch.arange(past, past + rows))
             if self.capture:
-                graph, outputs = self._graph(rows, keys)
+                try:
+                    graph, outputs = self._graph(rows, keys)
+                except RuntimeError as e:  # a model or a torch whose forward cannot be recorded
+                    self.enabled = False
+                    warnings.warn(f"CUDA graphs are off for this model: capturing its forward failed ({e}); "
+                                  "its forwards run eagerly, with the same results.", stacklevel=4)
+                    return None
                 graph.replay()
             else:
                 outputs = self._static_forward(rows, keys)
@@ -292,11 +301,12 @@ def install_cuda_graphs(model: Any, *, capacity: int | None = None, capture: boo
         bucket = None
         if plain_forward(input_ids, cache, use_cache, kwargs):
             bucket = runner.serves(cache, input_ids.shape[1])
-        if bucket is None:
+        out = runner.run(input_ids, cache, bucket, bool(output_hidden_states)) if bucket is not None else None
+        if out is None:
             runner.stats.eager += 1
             return stock(input_ids=input_ids, cache=cache, use_cache=use_cache, output_hidden_states=output_hidden_states,
                          **kwargs)
-        last, states = runner.run(input_ids, cache, bucket, bool(output_hidden_states))
+        last, states = out
         return BaseModelOutputWithPast(last_hidden_state=last, cache=cache, hidden_states=states)
 
     base.forward = forward
