@@ -58,10 +58,10 @@ def _cpu_flags() -> list[str]:
 #: 74.9, 24 rows 85.4 / 86.1, 32 rows 89.7 / 104.6, 48 rows 102.2 / 137.7, 64 rows 106.9 /
 #: 166.6, 96 rows 117.5 / 223.6, 128 rows 136.4 / 285.0: 32 rows. bfloat16 without AMX
 #: (AVX512_BF16, AMD EPYC, 2026-12-03, with those copies, which took about 66 ms of a 300-row
-#: pass here): 51 rows 192 / 104,
-#: 71 rows 229 / 205, 104 rows 268 / 226, 124 rows 309 / 311; less the copies, about 64 rows
-#: (estimated: no such machine here since). float32 (an earlier machine, loop-timed): 16 rows
-#: 130 / 198, 32 rows 200 / 217, 64 rows 330-390 / 284, 100 rows 580-760 / 445.
+#: pass here): 51 rows 192 / 104, 71 rows 229 / 205, 104 rows 268 / 226, 124 rows 309 / 311;
+#: less the copies, about 64 rows (estimated: no such machine here since). float32 (an earlier
+#: machine, loop-timed): 16 rows 130 / 198, 32 rows 200 / 217, 64 rows 330-390 / 284, 100 rows
+#: 580-760 / 445.
 MIN_DENSE_ROWS = {torch.bfloat16: 32 if "amx_bf16" in _cpu_flags() else 64, torch.float32: 48}
 
 
