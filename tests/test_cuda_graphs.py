@@ -229,3 +229,16 @@ def test_a_forward_that_cannot_be_captured_falls_back_to_eager():
     assert not runner.enabled and runner.stats.served == 0 and runner.stats.eager == 2 * (1 + len(feeds))
     for (ha, la), (hb, lb) in zip(eager, fallen):
         assert torch.equal(ha, hb) and torch.equal(la, lb)
+
+
+def test_only_stacks_it_replays_exactly_get_graphs():
+    """A model that is not batch-invariant, or whose decoder stack does more than the static
+    forward replays (here Qwen2's), keeps its eager forward."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    assert install_cuda_graphs(smol_shaped(512, seed=0, layers=2, device="cpu"), capture=False) is None
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128)
+    qwen = make_batch_invariant(Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval(), bucket_linears=True)
+    assert install_cuda_graphs(qwen, capture=False) is None
+    assert not hasattr(qwen.base_model, "graphed")

@@ -58,9 +58,13 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 256
 #: The most positions the runner's buffers hold when the model's config states no context.
 DEFAULT_CAPACITY = 8192
-#: Positions the runner's buffers hold at first. Why not the whole context at once: float64
-#: keys and values take 16 bytes per number, which for a long-context model's full window is
-#: gigabytes that most requests never use.
+#: Decoder stacks whose forward is exactly what ``_static_forward`` replays (embeddings, rotary
+#: embedding, the layers under one causal mask, the final norm). Others differ outside their
+#: layers (Gemma scales its embeddings, Mistral masks a sliding window) and keep the eager forward.
+GRAPHED_STACKS = ("LlamaModel",)
+#: Positions the runner's buffers hold at first. Why not the whole context at once: keys and
+#: values in float64, 8 bytes a number, for a long-context model's whole window are gigabytes
+#: that most requests never use.
 FIRST_BUFFER = 1024
 
 
@@ -283,12 +287,13 @@ class GraphedDecode:
 def install_cuda_graphs(model: Any, *, capacity: int | None = None, capture: bool | None = None) -> GraphedDecode | None:
     """Give a batch-invariant ``model`` (``models.invariant``) graphed decode and verify forwards
     (in place; see the module docstring); returns the runner (``model.base_model.graphed``), or
-    None where the model is not batch-invariant or, with ``capture`` unset, not on a GPU."""
+    None where the model is not batch-invariant, its decoder stack is not one of
+    ``GRAPHED_STACKS``, or, with ``capture`` unset, it is not on a GPU."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     from .native_decode import plain_forward
 
-    if not getattr(model, "batch_invariant", False):
+    if not getattr(model, "batch_invariant", False) or type(getattr(model, "base_model", None)).__name__ not in GRAPHED_STACKS:
         return None
     if capture is None and next(model.parameters()).device.type != "cuda":
         return None
