@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import q4_vnni
 from .threads import at_dense_threads
 
 GROUP = 32
@@ -110,16 +111,20 @@ class Int4Linear(nn.Module):
     the input's dtype. ``packed``: uint8 ``[N, K/2]`` in the kernel's layout; ``scales_and_zeros``:
     bfloat16 ``[K/32, N, 2]``. ``prompt_weight`` (bfloat16 ``[N, K]``), ``rows`` (a
     ``models.invariant.RowSplit``) and ``prompt_dtype`` (``prompt_matmul_dtype()`` unless set):
-    the dense path of prompt rows (see the module docstring).
+    the dense path of prompt rows (see the module docstring). ``vnni``: the same weights in
+    ``models.q4_vnni``'s layout (``pack``), which then computes every kernel row instead.
     """
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
-                 out_features: int, prompt_weight: torch.Tensor | None = None) -> None:
+                 out_features: int, prompt_weight: torch.Tensor | None = None,
+                 vnni: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.register_buffer("packed", packed, persistent=True)
         self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=True)
+        self.register_buffer("vnni_packed", vnni[0] if vnni else None, persistent=True)
+        self.register_buffer("vnni_scales", vnni[1] if vnni else None, persistent=True)
         # A plain attribute, not a buffer: decode and verify rows never read it, so it is not
         # among the bytes a forward's profile counts (``forward_profile``).
         self.prompt_weight = prompt_weight
@@ -127,15 +132,18 @@ class Int4Linear(nn.Module):
         self.rows: Any = None
 
     @staticmethod
-    def from_q4_1(raw: np.ndarray, shape: tuple[int, int], row_order: np.ndarray | None = None) -> "Int4Linear":
-        """Pack a Q4_1 tensor's raw bytes; ``row_order`` permutes output rows (q/k projections)."""
+    def from_q4_1(raw: np.ndarray, shape: tuple[int, int], row_order: np.ndarray | None = None,
+                   vnni: bool = False) -> "Int4Linear":
+        """Pack a Q4_1 tensor's raw bytes; ``row_order`` permutes output rows (q/k projections);
+        ``vnni``: for ``models.q4_vnni``'s kernel too."""
         q, d, m = unpack_q4_1(raw, shape)
         if row_order is not None:
             q, d, m = q[row_order], d[row_order], m[row_order]
+        vnni_weights = q4_vnni.pack(q, d, m) if vnni else None
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         d32, m32 = d.astype(np.float32), m.astype(np.float32)
         sz = torch.from_numpy(np.stack([d32.T, (m32 + 8 * d32).T], axis=-1).copy()).to(torch.bfloat16)
-        return Int4Linear(packed, sz, in_features=shape[1], out_features=shape[0])
+        return Int4Linear(packed, sz, in_features=shape[1], out_features=shape[0], vnni=vnni_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
@@ -162,7 +170,10 @@ class Int4Linear(nn.Module):
 
     def kernel_bfloat16(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel on ``x`` ``[..., K]`` as rows ``[n, N]``, in the kernel's bfloat16 (for
-        callers whose next op promotes it exactly, ``models.native_decode``)."""
+        callers whose next op promotes it exactly, ``models.native_decode``); float32 from the
+        VNNI kernel where the layer has its weights."""
+        if self.vnni_packed is not None:
+            return q4_vnni.q4_1_mm(x.reshape(-1, self.in_features), self.vnni_packed, self.vnni_scales)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
 
@@ -190,10 +201,13 @@ class FusedInt4:
             raise ValueError(f"Cannot fuse int4 layers of {[m.out_features for m in layers]} rows: the packed "
                              f"layout holds whole blocks of {PACK_BLOCK_N} rows, so each must have a multiple of it.")
         dense = [m.prompt_weight for m in layers]
+        vnni = None
+        if all(m.vnni_packed is not None for m in layers):  # blocks of 16 columns: they concatenate too
+            vnni = (torch.cat([m.vnni_packed for m in layers]), torch.cat([m.vnni_scales for m in layers]))
         self.layer = Int4Linear(torch.cat([m.packed for m in layers]),
                                 torch.cat([m.scales_and_zeros for m in layers], dim=1),
                                 in_features=layers[0].in_features, out_features=sum(m.out_features for m in layers),
-                                prompt_weight=torch.cat(dense) if all(w is not None for w in dense) else None)
+                                prompt_weight=torch.cat(dense) if all(w is not None for w in dense) else None, vnni=vnni)
         self.sizes = [m.out_features for m in layers]
         self._local = threading.local()  # forwards in two threads must not read each other's outputs
 

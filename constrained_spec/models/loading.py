@@ -124,6 +124,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached), and
     its Q8_0 output projection on two int4 calls ("native") or as the exact float32 matrix
     ("native-exact"; see ``models.q8_output``)."""
+    from . import q4_vnni
     from .invariant import make_batch_invariant
     from .native import fuse_projections, install_int4, install_q8_output, load_int4, q4_1_linears, save_int4
     from .native_decode import install_native_decode
@@ -133,7 +134,9 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
                              "(name_or_path=None); load other checkpoints with precision='bfloat16' or 'float32'.")
     if device is not None and torch.device(device).type != "cpu":
         raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
-    key = ("None", precision, str(device))
+    # The linear layers' kernel is fixed at load: a model's rows must all take one (invariance).
+    vnni = q4_vnni.enabled()
+    key = ("None", precision, str(device), vnni)
     if key in _LOADED:
         return _LOADED[key]
     from transformers import LlamaForCausalLM
@@ -141,11 +144,11 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     cached = _default_cache()
     tokenizer = _embedded_tokenizer(cached)
     model = LlamaForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
-    packed = cached / "int4.safetensors"
+    packed = cached / ("int4-vnni.safetensors" if vnni else "int4.safetensors")
     if packed.is_file():
         linears = load_int4(packed)
     else:
-        linears = q4_1_linears(_default_gguf_dir() / DEFAULT_MODEL_FILE, model.config)
+        linears = q4_1_linears(_default_gguf_dir() / DEFAULT_MODEL_FILE, model.config, vnni=vnni)
         tmp = packed.with_suffix(f".{os.getpid()}.tmp")
         save_int4(linears, tmp)
         os.replace(tmp, packed)
@@ -154,7 +157,8 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
         install_q8_output(model, _default_gguf_dir() / DEFAULT_MODEL_FILE, cached / "q8_output.safetensors")
     make_batch_invariant(model)
     install_native_decode(model)
-    name = DEFAULT_MODEL_NAME + (" (native Q4_1)" if precision == "native" else " (native Q4_1, exact Q8_0 output)")
+    name = DEFAULT_MODEL_NAME + (" (native Q4_1" if precision == "native" else " (native Q4_1, exact Q8_0 output")
+    name += ", VNNI kernel)" if vnni else ")"
     handle = ModelHandle(model, tokenizer, name, native_precision=precision)
     warm_up(handle)
     _LOADED[key] = handle

@@ -33,8 +33,9 @@ def _hf_row_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def q4_1_linears(gguf_path: Path | str, config: Any) -> dict[str, Int4Linear]:
-    """``Int4Linear`` modules for every Q4_1 linear layer of a llama-family GGUF, by module name."""
+def q4_1_linears(gguf_path: Path | str, config: Any, vnni: bool = False) -> dict[str, Int4Linear]:
+    """``Int4Linear`` modules for every Q4_1 linear layer of a llama-family GGUF, by module name
+    (``vnni``: with ``models.q4_vnni``'s layout too)."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -51,7 +52,7 @@ def q4_1_linears(gguf_path: Path | str, config: Any) -> dict[str, Int4Linear]:
             order = _hf_row_order(shape[0], config.num_attention_heads)
         elif parts[2] == "attn_k":
             order = _hf_row_order(shape[0], config.num_key_value_heads)
-        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = Int4Linear.from_q4_1(tensor.data, shape, order)
+        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = Int4Linear.from_q4_1(tensor.data, shape, order, vnni=vnni)
     if not out:
         raise ModelLoadError(f"No Q4_1 linear layers in {gguf_path}: native precision needs a Q4_1 GGUF.")
     return out
@@ -100,6 +101,9 @@ def save_int4(linears: dict[str, Int4Linear], path: Path) -> None:
         state[f"{name}.packed"] = m.packed.contiguous()
         state[f"{name}.scales_and_zeros"] = m.scales_and_zeros.contiguous()
         state[f"{name}.shape"] = torch.tensor([m.out_features, m.in_features])
+        if m.vnni_packed is not None:
+            state[f"{name}.vnni_packed"] = m.vnni_packed.contiguous()
+            state[f"{name}.vnni_scales"] = m.vnni_scales.contiguous()
     save_file(state, str(path), metadata={"format": "constrained_spec.int4"})
 
 
@@ -110,7 +114,9 @@ def load_int4(path: Path) -> dict[str, Int4Linear]:
     state = load_file(str(path))
     names = {k.rsplit(".", 1)[0] for k in state}
     return {name: Int4Linear(state[f"{name}.packed"], state[f"{name}.scales_and_zeros"],
-                             in_features=int(state[f"{name}.shape"][1]), out_features=int(state[f"{name}.shape"][0]))
+                             in_features=int(state[f"{name}.shape"][1]), out_features=int(state[f"{name}.shape"][0]),
+                             vnni=(state[f"{name}.vnni_packed"], state[f"{name}.vnni_scales"])
+                             if f"{name}.vnni_packed" in state else None)
             for name in names}
 
 

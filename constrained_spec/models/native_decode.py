@@ -44,7 +44,7 @@ import torch
 from torch.nn import functional as F
 
 from .int4 import GROUP, Int4Linear, Int4Part
-from . import invariant
+from . import invariant, q4_vnni  # noqa: F401  (q4_vnni defines the op the scripted stack names)
 from .invariant import _allowed, attend_new_rows, float64_variance
 
 def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
@@ -66,26 +66,34 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int, vnni: bool) -> torch.Tensor:
+    """``Int4Linear.kernel_bfloat16`` for the scripted stack: torch's int4 kernel (bfloat16 out)
+    or, with ``vnni``, ``models.q4_vnni``'s (float32 out; the next ops promote either exactly)."""
+    if vnni:
+        return torch.ops.constrained_spec.q4_1_mm(x.contiguous(), packed, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed, group, scales)
+
+
 def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor],
                     keys: List[torch.Tensor], values: List[torch.Tensor], past: int, hidden: bool,
                     norm1: List[torch.Tensor], eps1: List[float], qkv: List[torch.Tensor], qkv_sz: List[torch.Tensor],
                     o: List[torch.Tensor], o_sz: List[torch.Tensor], norm2: List[torch.Tensor], eps2: List[float],
                     gate_up: List[torch.Tensor], gate_up_sz: List[torch.Tensor], down: List[torch.Tensor],
                     down_sz: List[torch.Tensor], q_heads: int, qk_width: int, head_dim: int, inter: int, scale: float,
-                    gqa: bool, group: int) -> List[torch.Tensor]:
+                    gqa: bool, group: int, vnni: bool) -> List[torch.Tensor]:
     """``NativeDecode.run``'s layer loop, op for op (the same ops on the same dtypes in the same
     order: ``_norm``, ``_rotate``, the cache write of ``GrowingLayer.update``, the float64
     attention of ``attend_new_rows`` below ``LONG_CONTEXT``), for TorchScript: ``x`` ``[n, d]``
     after the embeddings; each layer's new keys and values are written into ``keys[i]`` /
     ``values[i]`` at ``past``. Returns the last layer's output, or with ``hidden`` every
-    layer's."""
+    layer's. With ``vnni`` the weight lists hold ``models.q4_vnni``'s layout (``_int4_mm``)."""
     n = x.shape[0]
     d = x.shape[1]
     out: List[torch.Tensor] = []
     for i in range(len(norm1)):
         var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
         h = norm1[i] * (x * torch.rsqrt(var + eps1[i]))
-        qkv_out = torch.ops.aten._weight_int4pack_mm_for_cpu(h.to(torch.bfloat16).contiguous(), qkv[i], group, qkv_sz[i])
+        qkv_out = _int4_mm(h, qkv[i], qkv_sz[i], group, vnni)
         xq = qkv_out[:, :qk_width].view(1, n, -1, head_dim).transpose(1, 2)
         qk = xq * cos + xq.roll(head_dim // 2, -1) * sin
         keys[i][:, :, past : past + n] = qk[:, q_heads:]
@@ -93,14 +101,11 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
         a = torch.nn.functional.scaled_dot_product_attention(
             qk[:, :q_heads].double(), keys[i][:, :, : past + n].double(), values[i][:, :, : past + n].double(),
             attn_mask=mask, scale=scale, enable_gqa=gqa).float()
-        rows = a.transpose(1, 2).reshape(n, -1).to(torch.bfloat16).contiguous()
-        x = x + torch.ops.aten._weight_int4pack_mm_for_cpu(rows, o[i], group, o_sz[i])
+        x = x + _int4_mm(a.transpose(1, 2).reshape(n, -1), o[i], o_sz[i], group, vnni)
         var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
         h = norm2[i] * (x * torch.rsqrt(var + eps2[i]))
-        gu = torch.ops.aten._weight_int4pack_mm_for_cpu(h.to(torch.bfloat16).contiguous(), gate_up[i], group,
-                                                         gate_up_sz[i]).to(torch.float32)
-        act = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(torch.bfloat16).contiguous()
-        x = x + torch.ops.aten._weight_int4pack_mm_for_cpu(act, down[i], group, down_sz[i])
+        gu = _int4_mm(h, gate_up[i], gate_up_sz[i], group, vnni).to(torch.float32)
+        x = x + _int4_mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], down_sz[i], group, vnni)
         if hidden:
             out.append(x)
     if not hidden:
@@ -151,15 +156,20 @@ class NativeDecode:
         self.scripted = True
         first = self.layers[0]
         kv_heads = (first[1].out_features - first[3]) // first[5]
+        # Every int4 layer on the VNNI kernel, or none: one model's rows take one kernel.
+        vnni = all(la[i].vnni_packed is not None for la in self.layers for i in (1, 4, 8, 10))
+        weights, scales = ("vnni_packed", "vnni_scales") if vnni else ("packed", "scales_and_zeros")
+
+        def each(index: int, name: str) -> list[torch.Tensor]:
+            return [getattr(la[index], name) for la in self.layers]
+
         self._weights = dict(
             norm1=[la[0].weight for la in self.layers], eps1=[float(la[0].variance_epsilon) for la in self.layers],
-            qkv=[la[1].packed for la in self.layers], qkv_sz=[la[1].scales_and_zeros for la in self.layers],
-            o=[la[4].packed for la in self.layers], o_sz=[la[4].scales_and_zeros for la in self.layers],
+            qkv=each(1, weights), qkv_sz=each(1, scales), o=each(4, weights), o_sz=each(4, scales),
             norm2=[la[7].weight for la in self.layers], eps2=[float(la[7].variance_epsilon) for la in self.layers],
-            gate_up=[la[8].packed for la in self.layers], gate_up_sz=[la[8].scales_and_zeros for la in self.layers],
-            down=[la[10].packed for la in self.layers], down_sz=[la[10].scales_and_zeros for la in self.layers],
+            gate_up=each(8, weights), gate_up_sz=each(8, scales), down=each(10, weights), down_sz=each(10, scales),
             q_heads=first[2], qk_width=first[3], head_dim=first[5], inter=first[9][0], scale=float(first[6]),
-            gqa=kv_heads != first[2], group=GROUP)
+            gqa=kv_heads != first[2], group=GROUP, vnni=vnni)
         self._kv_shape = (kv_heads, first[5])
         uniform = all(la[2:4] == first[2:4] and la[5:7] == first[5:7] and la[9] == first[9] for la in self.layers)
         self._scriptable = uniform and len(first[9]) == 2

@@ -1,0 +1,130 @@
+// Q4_1 weights times activations quantized to int8 per block of 32 (llama.cpp's q4_1 x q8_1
+// arithmetic), on AVX-512 VNNI, batch-invariant: every row's result is computed by the same
+// instructions in the same order whatever the other rows are (see models/q4_vnni.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int COLS = 16;          // output columns of a block: one zmm of float32
+constexpr int GROUP = 32;         // weights of a Q4_1 block
+constexpr int BLOCK_BYTES = 256;  // nibbles of 16 columns x 32 weights
+
+struct Rows {
+  const int8_t* q;  // [M, K] activations as int8
+  const float* dx;  // [M, G] their scales
+  const float* sx;  // [M, G] the sums of the float activations
+  int64_t K, G;
+};
+
+// R rows against two unpacked column blocks (32 columns) of group g. Each row's integer dot
+// products are exact; its float updates run in one order, whatever R is.
+template <int R>
+inline void rows_block(const __m512i* b, const Rows& x, int64_t r0, int64_t g, const __m512* d, const __m512* m,
+                       float* acc) {
+  __m512i s[R][2];
+  for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x.q + (r0 + r) * x.K + g * GROUP + 4 * i));
+      s[r][0] = _mm512_dpbusd_epi32(s[r][0], b[i], a);
+      s[r][1] = _mm512_dpbusd_epi32(s[r][1], b[8 + i], a);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t rg = (r0 + r) * x.G + g;
+    const __m512 dx = _mm512_set1_ps(x.dx[rg]), sx = _mm512_set1_ps(x.sx[rg]);
+    for (int c = 0; c < 2; ++c) {
+      __m512 a = _mm512_loadu_ps(acc + (2 * r + c) * COLS);
+      a = _mm512_fmadd_ps(_mm512_mul_ps(d[c], dx), _mm512_cvtepi32_ps(s[r][c]), a);
+      a = _mm512_fmadd_ps(m[c], sx, a);
+      _mm512_storeu_ps(acc + (2 * r + c) * COLS, a);
+    }
+  }
+}
+
+// Each row's blocks of 32 as int8 with one scale (max |x| / 127) and the block's float sum.
+void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* q, float* dx, float* sx) {
+  const int64_t G = K / GROUP;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = xp + r * K + g * GROUP;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.0f;
+      const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + g * GROUP), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + g * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
+      dx[r * G + g] = d;
+      sx[r * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+}
+
+at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q4_1_mm: x must be contiguous float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == BLOCK_BYTES,
+              "q4_1_mm: packed must be contiguous uint8 [N/16, K/32, 256]");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1);
+  TORCH_CHECK(G * GROUP == K && NB % 2 == 0, "q4_1_mm: packed [", NB, ", ", G, "] does not fit x's ", K, " columns");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == NB * G * 2 * COLS,
+              "q4_1_mm: scales must be contiguous float32 [N/16, K/32, 2, 16]");
+  auto y = at::empty({M, NB * COLS}, x.options());
+  if (M == 0) return y;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  quantize_rows(x.const_data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data());
+  const Rows rows{xq.data(), dx.data(), sx.data(), K, G};
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const float* sp = scales.const_data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // Threads split the columns, never a row's sum: the split changes no bit.
+  at::parallel_for(0, NB / 2, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * 2 * COLS);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512i b[16];
+        __m512 d[2], m[2];
+        for (int c = 0; c < 2; ++c) {
+          const int64_t nb = 2 * pair + c;
+          const uint8_t* w = wp + (nb * G + g) * BLOCK_BYTES;
+#pragma GCC unroll 4
+          for (int t = 0; t < 4; ++t) {
+            const __m512i raw = _mm512_loadu_si512(w + 64 * t);
+            b[8 * c + t] = _mm512_and_si512(raw, low);
+            b[8 * c + t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+          }
+          const float* sc = sp + (nb * G + g) * 2 * COLS;
+          d[c] = _mm512_loadu_ps(sc);
+          m[c] = _mm512_loadu_ps(sc + COLS);
+        }
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) rows_block<4>(b, rows, r, g, d, m, acc.data() + r * 2 * COLS);
+        float* a = acc.data() + r * 2 * COLS;
+        switch (M - r) {
+          case 3: rows_block<3>(b, rows, r, g, d, m, a); break;
+          case 2: rows_block<2>(b, rows, r, g, d, m, a); break;
+          case 1: rows_block<1>(b, rows, r, g, d, m, a); break;
+          default: break;
+        }
+      }
+      for (int64_t r = 0; r < M; ++r)
+        for (int c = 0; c < 2; ++c)
+          _mm512_storeu_ps(yp + r * NB * COLS + (2 * pair + c) * COLS, _mm512_loadu_ps(acc.data() + (2 * r + c) * COLS));
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(constrained_spec, CPU, m) { m.impl("q4_1_mm", &q4_1_mm); }

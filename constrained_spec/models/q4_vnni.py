@@ -1,0 +1,123 @@
+"""Q4_1 linear layers on an int8 dot-product kernel (AVX-512 VNNI): opt-in, measured, invariant.
+
+Why hand-written: torch's CPU int4 kernel (``models.int4``) computes a row alone, as batch
+invariance needs, but in float32 FMAs on weights it de-quantizes: at the CPU's FMA limit per
+row (measured on a 2-core AMD EPYC, 21 rows of the 576 x 3072 gate/up matrix: 510 us, about 12
+multiply-adds a cycle a core), so a 21-token verify pass spends about 30 ms in its linear layers
+whatever the code around it does. oneDNN's int8 and bfloat16 matmuls are faster per row but pick
+their blocking (and so the bits of a row) by the number of rows. No library has an int4 kernel
+that is both.
+
+This one does llama.cpp's Q4_1 x Q8_1 arithmetic: each row's blocks of 32 activations are
+quantized to int8 with one scale (max |x| / 127), ``vpdpbusd`` multiplies them with the stored
+nibbles (0..15) exactly in int32, and each block adds ``d * dx * sum(q * qx) + m * sum(x)`` in
+float32 with the stored fp16 ``d`` and ``m`` (exact in float32, where torch's kernel takes
+bfloat16 scales). Every row runs the same instructions in the same order whatever rows are beside
+it, and threads split the columns, never a sum: a row's bits do not depend on the batch (tested).
+
+The activation rounding is coarser than bfloat16's (an element's error up to 1/254 of its
+block's largest, not 2^-9 of itself): the same rounding llama.cpp applies on this file. So the
+model's bits differ from torch's kernel's; ``CONSTRAINED_SPEC_INT4_KERNEL=vnni`` turns it on
+(default: ``torch``) until the bench shows its field accuracy and greedy agreement.
+
+Built once per machine from ``kernels/q4_1_vnni.cpp`` by ``torch.utils.cpp_extension`` into the
+cache (about 8 s with g++, then a load in milliseconds); a machine without AVX-512 VNNI, a
+compiler, or ninja keeps torch's kernel, with a warning when the kernel was asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..storage import cache_dir
+
+KERNEL_ENV = "CONSTRAINED_SPEC_INT4_KERNEL"
+#: Output columns of one packed block (one AVX-512 register of float32).
+COLS = 16
+GROUP = 32
+_SOURCE = Path(__file__).parent / "kernels" / "q4_1_vnni.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+
+# The operator's schema, defined at import whether or not the kernel builds: TorchScript
+# (``models.native_decode``) resolves the op by its schema when it compiles the layer loop, and
+# takes that branch only where the kernel is loaded.
+_LIBRARY = torch.library.Library("constrained_spec", "DEF")
+_LIBRARY.define("q4_1_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor")
+
+
+def requested() -> bool:
+    """Whether ``$CONSTRAINED_SPEC_INT4_KERNEL`` asks for this kernel (``vnni``); anything else
+    but ``torch`` or empty is refused with the values it takes."""
+    value = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if value not in ("", "torch", "vnni"):
+        raise ValueError(f"Invalid {KERNEL_ENV}={value!r}: use 'torch' (the default) or 'vnni'.")
+    return value == "vnni"
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU has the AVX-512 subsets the kernel is compiled for."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return all(f in flags for f in _CPU_FLAGS)
+
+
+@functools.lru_cache(maxsize=1)
+def load_kernel() -> bool:
+    """Build (once per machine and source) and load the kernel; False, with a warning, where it
+    cannot be (no AVX-512 VNNI, no compiler or ninja)."""
+    if not cpu_supports():
+        warnings.warn("The VNNI int4 kernel needs AVX-512 VNNI, which this CPU lacks: torch's int4 kernel runs instead.",
+                      stacklevel=2)
+        return False
+    from torch.utils import cpp_extension
+
+    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / f"q4_1_vnni-{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(f"constrained_spec_q4_1_vnni_{tag}", [str(_SOURCE)], extra_cflags=_FLAGS,
+                           build_directory=str(build), is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, ImportError, FileNotFoundError) as error:
+        warnings.warn(f"The VNNI int4 kernel did not build ({str(error).splitlines()[0][:200]}): "
+                      "torch's int4 kernel runs instead.", stacklevel=2)
+        return False
+    return True
+
+
+def enabled() -> bool:
+    """Whether new native models take this kernel: asked for, and loaded."""
+    return requested() and load_kernel()
+
+
+def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout of ``unpack_q4_1``'s ``q`` ``[N, K]`` (0..15), ``d`` and ``m``
+    ``[N, K/32]``: ``packed`` uint8 ``[N/16, K/32, 256]``, each block's four 64-byte loads
+    holding weights k = 4t..4t+3 (low nibbles) and 16+4t..16+4t+3 (high) of its 16 columns,
+    column-major in groups of four (the operand layout of ``vpdpbusd``); ``scales`` float32
+    ``[N/16, K/32, 2, 16]``: d and m of each block's columns."""
+    n, k = q.shape
+    if n % (2 * COLS) or k % GROUP:
+        raise ValueError(f"Cannot pack a {n} x {k} Q4_1 matrix for the VNNI kernel: rows must be a multiple of "
+                         f"{2 * COLS} and columns of {GROUP}.")
+    g = k // GROUP
+    blocks = q.astype(np.uint8).reshape(n // COLS, COLS, g, 2, 4, 4)  # block, column, group, half, t, e
+    nibbles = blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)  # block, column, group, t, e
+    packed = nibbles.transpose(0, 2, 3, 1, 4).reshape(n // COLS, g, 4 * COLS * 4)
+    per_block = [a.astype(np.float32).reshape(n // COLS, COLS, g).transpose(0, 2, 1) for a in (d, m)]
+    scales = np.stack(per_block, axis=2)
+    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales))
+
+
+def q4_1_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` (any float dtype) times the packed weights: float32 ``[M, N]``."""
+    return torch.ops.constrained_spec.q4_1_mm(x.to(torch.float32).contiguous(), packed, scales)
