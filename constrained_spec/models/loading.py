@@ -144,7 +144,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     cached = _default_cache()
     tokenizer = _embedded_tokenizer(cached)
     model = LlamaForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
-    packed = cached / ("int4-vnni.safetensors" if vnni else "int4.safetensors")
+    packed = cached / (f"int4-vnni{q4_vnni.LAYOUT}.safetensors" if vnni else "int4.safetensors")
     if packed.is_file():
         linears = load_int4(packed)
     else:

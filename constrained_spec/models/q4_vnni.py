@@ -39,9 +39,11 @@ import torch
 from ..storage import cache_dir
 
 KERNEL_ENV = "CONSTRAINED_SPEC_INT4_KERNEL"
-#: Output columns of one packed block (one AVX-512 register of float32).
+#: Output columns of one packed block (one AVX-512 register of float32); blocks go in pairs.
 COLS = 16
 GROUP = 32
+#: Version of ``pack``'s layout, in the name of the cached weights (a change must not load old ones).
+LAYOUT = 2
 _SOURCE = Path(__file__).parent / "kernels" / "q4_1_vnni.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
@@ -101,20 +103,20 @@ def enabled() -> bool:
 
 def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's layout of ``unpack_q4_1``'s ``q`` ``[N, K]`` (0..15), ``d`` and ``m``
-    ``[N, K/32]``: ``packed`` uint8 ``[N/16, K/32, 256]``, each block's four 64-byte loads
-    holding weights k = 4t..4t+3 (low nibbles) and 16+4t..16+4t+3 (high) of its 16 columns,
-    column-major in groups of four (the operand layout of ``vpdpbusd``); ``scales`` float32
-    ``[N/16, K/32, 2, 16]``: d and m of each block's columns."""
+    ``[N, K/32]`` (float16): ``packed`` uint8 ``[N/32, K/32, 512]``, for each 32 columns and
+    group, two blocks of 16 columns whose four 64-byte loads hold weights k = 4t..4t+3 (low
+    nibbles) and 16+4t..16+4t+3 (high), column-major in fours (``vpdpbusd``'s operand layout);
+    ``scales`` float16 ``[N/32, K/32, 2, 2, 16]``: each block's d, then m, as stored."""
     n, k = q.shape
     if n % (2 * COLS) or k % GROUP:
         raise ValueError(f"Cannot pack a {n} x {k} Q4_1 matrix for the VNNI kernel: rows must be a multiple of "
                          f"{2 * COLS} and columns of {GROUP}.")
     g = k // GROUP
-    blocks = q.astype(np.uint8).reshape(n // COLS, COLS, g, 2, 4, 4)  # block, column, group, half, t, e
-    nibbles = blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)  # block, column, group, t, e
-    packed = nibbles.transpose(0, 2, 3, 1, 4).reshape(n // COLS, g, 4 * COLS * 4)
-    per_block = [a.astype(np.float32).reshape(n // COLS, COLS, g).transpose(0, 2, 1) for a in (d, m)]
-    scales = np.stack(per_block, axis=2)
+    blocks = q.astype(np.uint8).reshape(n // (2 * COLS), 2, COLS, g, 2, 4, 4)  # pair, c, column, group, half, t, e
+    nibbles = blocks[:, :, :, :, 0] | (blocks[:, :, :, :, 1] << 4)  # pair, c, column, group, t, e
+    packed = nibbles.transpose(0, 3, 1, 4, 2, 5).reshape(n // (2 * COLS), g, 2 * 4 * COLS * 4)
+    per_block = [a.astype(np.float16).reshape(n // (2 * COLS), 2, COLS, g).transpose(0, 3, 1, 2) for a in (d, m)]
+    scales = np.stack(per_block, axis=3)  # pair, group, c, d/m, column
     return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales))
 
 

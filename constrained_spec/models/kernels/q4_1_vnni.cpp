@@ -13,7 +13,7 @@ namespace {
 
 constexpr int COLS = 16;          // output columns of a block: one zmm of float32
 constexpr int GROUP = 32;         // weights of a Q4_1 block
-constexpr int BLOCK_BYTES = 256;  // nibbles of 16 columns x 32 weights
+constexpr int BLOCK_BYTES = 512;  // nibbles of 32 columns (two blocks of 16) x 32 weights
 
 struct Rows {
   const int8_t* q;  // [M, K] activations as int8
@@ -71,41 +71,42 @@ void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* q, float* dx, 
 at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q4_1_mm: x must be contiguous float32 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == BLOCK_BYTES,
-              "q4_1_mm: packed must be contiguous uint8 [N/16, K/32, 256]");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), G = packed.size(1);
-  TORCH_CHECK(G * GROUP == K && NB % 2 == 0, "q4_1_mm: packed [", NB, ", ", G, "] does not fit x's ", K, " columns");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == NB * G * 2 * COLS,
-              "q4_1_mm: scales must be contiguous float32 [N/16, K/32, 2, 16]");
-  auto y = at::empty({M, NB * COLS}, x.options());
+              "q4_1_mm: packed must be contiguous uint8 [N/32, K/32, 512]");
+  const int64_t M = x.size(0), K = x.size(1), NP = packed.size(0), G = packed.size(1), N = NP * 2 * COLS;
+  TORCH_CHECK(G * GROUP == K, "q4_1_mm: packed [", NP, ", ", G, "] does not fit x's ", K, " columns");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == NP * G * 4 * COLS,
+              "q4_1_mm: scales must be contiguous float16 [N/32, K/32, 2, 2, 16]");
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G), sx(M * G);
   quantize_rows(x.const_data_ptr<float>(), M, K, xq.data(), dx.data(), sx.data());
   const Rows rows{xq.data(), dx.data(), sx.data(), K, G};
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  const float* sp = scales.const_data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.const_data_ptr());
   float* yp = y.data_ptr<float>();
   const __m512i low = _mm512_set1_epi8(0x0F);
   // Threads split the columns, never a row's sum: the split changes no bit.
-  at::parallel_for(0, NB / 2, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, NP, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * 2 * COLS);
     for (int64_t pair = begin; pair < end; ++pair) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t g = 0; g < G; ++g) {
         __m512i b[16];
         __m512 d[2], m[2];
+        // One stream of bytes a thread: the pair's blocks of each group side by side.
+        const uint8_t* w = wp + (pair * G + g) * BLOCK_BYTES;
+        const uint16_t* sc = sp + (pair * G + g) * 4 * COLS;
         for (int c = 0; c < 2; ++c) {
-          const int64_t nb = 2 * pair + c;
-          const uint8_t* w = wp + (nb * G + g) * BLOCK_BYTES;
 #pragma GCC unroll 4
           for (int t = 0; t < 4; ++t) {
-            const __m512i raw = _mm512_loadu_si512(w + 64 * t);
+            const __m512i raw = _mm512_loadu_si512(w + 256 * c + 64 * t);
             b[8 * c + t] = _mm512_and_si512(raw, low);
             b[8 * c + t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
           }
-          const float* sc = sp + (nb * G + g) * 2 * COLS;
-          d[c] = _mm512_loadu_ps(sc);
-          m[c] = _mm512_loadu_ps(sc + COLS);
+          // d and m as stored (float16: exact in float32).
+          d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 2 * c * COLS)));
+          m[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (2 * c + 1) * COLS)));
         }
         int64_t r = 0;
         for (; r + 4 <= M; r += 4) rows_block<4>(b, rows, r, g, d, m, acc.data() + r * 2 * COLS);
@@ -119,7 +120,7 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
       }
       for (int64_t r = 0; r < M; ++r)
         for (int c = 0; c < 2; ++c)
-          _mm512_storeu_ps(yp + r * NB * COLS + (2 * pair + c) * COLS, _mm512_loadu_ps(acc.data() + (2 * r + c) * COLS));
+          _mm512_storeu_ps(yp + r * N + (2 * pair + c) * COLS, _mm512_loadu_ps(acc.data() + (2 * r + c) * COLS));
     }
   });
   return y;
