@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from constrained_spec import ModelLoadError, load_model
 from constrained_spec.models import q4_vnni
 from constrained_spec.models.int4 import FusedInt4, Int4Linear, dequantize_q4_1, unpack_q4_1
 
@@ -80,3 +81,5 @@ def test_bad_inputs_are_refused_by_name(monkeypatch):
     monkeypatch.setenv(q4_vnni.KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="'torch' .* or 'vnni'"):
         q4_vnni.requested()
+    with pytest.raises(ModelLoadError, match="CONSTRAINED_SPEC_INT4_KERNEL='fast'"):
+        load_model(precision="native")

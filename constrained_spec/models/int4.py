@@ -202,7 +202,7 @@ class FusedInt4:
                              f"layout holds whole blocks of {PACK_BLOCK_N} rows, so each must have a multiple of it.")
         dense = [m.prompt_weight for m in layers]
         vnni = None
-        if all(m.vnni_packed is not None for m in layers):  # blocks of 16 columns: they concatenate too
+        if all(m.vnni_packed is not None for m in layers):  # whole 32-column blocks: they concatenate too
             vnni = (torch.cat([m.vnni_packed for m in layers]), torch.cat([m.vnni_scales for m in layers]))
         self.layer = Int4Linear(torch.cat([m.packed for m in layers]),
                                 torch.cat([m.scales_and_zeros for m in layers], dim=1),

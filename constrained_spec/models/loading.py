@@ -135,7 +135,10 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     if device is not None and torch.device(device).type != "cpu":
         raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
     # The linear layers' kernel is fixed at load: a model's rows must all take one (invariance).
-    vnni = q4_vnni.enabled()
+    try:
+        vnni = q4_vnni.enabled()
+    except ValueError as error:  # a bad $CONSTRAINED_SPEC_INT4_KERNEL, named in the message
+        raise ModelLoadError(str(error)) from None
     key = ("None", precision, str(device), vnni)
     if key in _LOADED:
         return _LOADED[key]
