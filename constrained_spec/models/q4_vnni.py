@@ -66,10 +66,9 @@ def requested() -> bool:
 
 def cpu_supports() -> bool:
     """Whether this CPU has the AVX-512 subsets the kernel is compiled for."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
+    from .int4 import _cpu_flags  # here, not at the top: int4 imports this module
+
+    flags = set(_cpu_flags())
     return all(f in flags for f in _CPU_FLAGS)
 
 
@@ -89,7 +88,7 @@ def load_kernel() -> bool:
     try:
         cpp_extension.load(f"constrained_spec_q4_1_vnni_{tag}", [str(_SOURCE)], extra_cflags=_FLAGS,
                            build_directory=str(build), is_python_module=False, verbose=False)
-    except (OSError, RuntimeError, ImportError, FileNotFoundError) as error:
+    except (OSError, RuntimeError, ImportError) as error:
         warnings.warn(f"The VNNI int4 kernel did not build ({str(error).splitlines()[0][:200]}): "
                       "torch's int4 kernel runs instead.", stacklevel=2)
         return False
