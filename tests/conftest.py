@@ -56,3 +56,26 @@ def _fresh_k_estimates():
     kpolicy._RECENT_CONFIDENCE.clear()
     kpolicy._RECENT_ASK_GAIN.clear()
     head._RECENT_TIMINGS.clear()
+
+
+@pytest.fixture(params=["kernel", "float64"])
+def attention_path(request, monkeypatch):
+    """Each batch-invariant attention path for new rows (``models.invariant.attend_new_rows``):
+    the row kernel (``models.attention_kernel``; skipped where it does not build) and the float64
+    / float32-blocks path a machine without it takes."""
+    from constrained_spec.models import attention_kernel
+
+    if request.param == "kernel" and not attention_kernel.enabled():
+        pytest.skip("the attention kernel does not build on this machine")
+    if request.param == "float64":
+        monkeypatch.setattr(attention_kernel, "enabled", lambda: False)
+    return request.param
+
+
+@pytest.fixture
+def float64_attention(monkeypatch):
+    """The attention path of a machine without the row kernel (the float64 and float32-blocks
+    path of ``models.invariant``), for tests of that path's own arithmetic."""
+    from constrained_spec.models import attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "enabled", lambda: False)

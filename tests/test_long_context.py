@@ -1,6 +1,8 @@
 """Attention past ``LONG_CONTEXT``: float32 blocks of fixed shapes (``models.invariant``), bit for
 bit the same for a row alone, in a verify pass of any length and in a packed batch grid, and
-the caches that keep such rows in float32."""
+the caches that keep such rows in float32. The invariance holds on both attention paths
+(``attention_path``: the row kernel, and the float64 / float32-blocks path it replaces); the
+tests of that path's own arithmetic run on it (``float64_attention``)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def _alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int) -> 
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rows_are_bit_identical_alone_in_a_pass_and_in_a_batch(threads):
+def test_rows_are_bit_identical_alone_in_a_pass_and_in_a_batch(threads, attention_path):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -70,7 +72,7 @@ def test_rows_are_bit_identical_alone_in_a_pass_and_in_a_batch(threads):
         torch.set_num_threads(old)
 
 
-def test_rows_before_long_context_keep_their_float64_bits():
+def test_rows_before_long_context_keep_their_float64_bits(float64_attention):
     """Short contexts are unchanged: the float64 attention, bit for bit."""
     k, v = _buffers(1, 600)
     q = torch.randn(1, HEADS, 6, DIM, generator=torch.Generator().manual_seed(2))
@@ -117,7 +119,7 @@ def _per_head_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_folding_query_heads_into_key_heads_changes_no_bit(batch):
+def test_folding_query_heads_into_key_heads_changes_no_bit(batch, float64_attention):
     """Folding each key head's query heads into its rows (and one request's blocks into one call
     over a stride-0 view of the keys) gives every row the bits of one block per query head."""
     k, v = _buffers(batch, 2700)
@@ -210,7 +212,7 @@ def test_a_document_past_long_context_gives_target_only_output_with_every_path(s
     assert batched == alone
 
 
-def test_masks_derived_once_a_forward_follow_the_mask_they_came_from():
+def test_masks_derived_once_a_forward_follow_the_mask_they_came_from(attention_path):
     """The float32 path remembers what it derived from the last mask (a forward hands one mask to
     every layer); a mask changed in place, or another mask, gets its own derivation."""
     k, v = _buffers(1, 2600)

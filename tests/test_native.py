@@ -287,10 +287,10 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
     bits: the final hidden states, every layer's hidden states and the cache it fills, for 1 to 21
     new rows after a prompt; forwards it does not cover (prompt rows) take transformers' path.
     Also with ``LONG_CONTEXT`` moved into the prompt (float32 blocks, a float32 cache). Both ways
-    the flat forward runs its layers: the TorchScript stack (before ``LONG_CONTEXT``; checked
-    that it ran) and the Python loop."""
+    the flat forward runs its layers: the TorchScript stack (before ``LONG_CONTEXT``, or at any
+    length with the attention kernel; checked that it ran) and the Python loop."""
     from constrained_spec.decoding.growing_cache import growing_cache
-    from constrained_spec.models import invariant, native_decode
+    from constrained_spec.models import attention_kernel, invariant, native_decode
 
     if long_context:
         monkeypatch.setattr(invariant, "LONG_CONTEXT", len(native_and_tokens[1]) // 2)
@@ -310,7 +310,7 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
         run = flat.run
         flat.run = lambda *a, **k: calls.append(a[0].shape[1]) or run(*a, **k)
         try:
-            cache = growing_cache(model.config.num_hidden_layers, torch.float64)
+            cache = growing_cache(model.config.num_hidden_layers, invariant.cache_dtype(torch.device("cpu")))
             model.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, prompt_rows=len(prompt))
             got, at = [], 0
             for k in (1, 4, 1, 12, 21):
@@ -325,7 +325,7 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
             flat.enabled = True
     (flat_out, flat_keys, flat_calls), (stock_out, stock_keys, stock_calls) = results[True], results[False]
     assert flat_calls == [1, 4, 1, 12, 21] and stock_calls == []  # the prompt pass went to transformers
-    assert len(stacks) == (5 if scripted and not long_context else 0)
+    assert len(stacks) == (5 if scripted and (not long_context or attention_kernel.enabled()) else 0)
     for (a, ha), (b, hb) in zip(flat_out, stock_out):
         assert torch.equal(a, b) and len(ha) == len(hb) == model.config.num_hidden_layers + 1
         assert all(torch.equal(x, y) for x, y in zip(ha, hb))

@@ -145,7 +145,9 @@ def profile_forward(handle: Any, precision: str, ks: Sequence[int] = DEFAULT_KS,
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prompt = torch.randint(100, vocab, (1, context), generator=g, device=handle.device)
-    cache = growing_cache(model.config.num_hidden_layers, torch.float64 if invariant else None)  # the decoder's
+    from ..models.invariant import cache_dtype
+
+    cache = growing_cache(model.config.num_hidden_layers, cache_dtype(torch.device(handle.device)) if invariant else None)  # the decoder's
     extra = {"prompt_rows": context} if invariant else {}
     model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1, **extra)
     weights = _weight_bytes(model)

@@ -15,6 +15,7 @@ import torch
 from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
 from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
+from ..models.invariant import cache_dtype
 from ..models.threads import thread_governor
 from .growing_cache import growing_cache
 from .kpolicy import FixedK, KPolicy
@@ -156,9 +157,10 @@ class SpeculativeDecoder:
         self._prefilled = 0
         self.output: list[int] = []
         self.finished = False
-        # A batch-invariant model attends in float64: the cache keeps float64 copies, so a step
-        # converts its new tokens only (decoding.growing_cache).
-        self.cache = growing_cache(target.config.num_hidden_layers, torch.float64 if self._batch_invariant else None)
+        # A batch-invariant model attends in float64 unless the attention kernel reads its float32
+        # keys: the cache keeps what attention reads, so a step converts its new tokens only.
+        self.cache = growing_cache(target.config.num_hidden_layers,
+                                   cache_dtype(self.device) if self._batch_invariant else None)
         self.last = self.prompt_ids[-1]
         self._single: dict[State, bool] = {}
         #: Per state, the ids its logits are computed over (``decoding.logits``); None: all.

@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import attention_kernel
+
 IMPLEMENTATION = "constrained_spec_invariant"
 #: Rows per matmul call of a ``BucketedLinear``: a verify pass holds the last token and at most
 #: K_max drafts (12 on GPUs), so one block serves every step.
@@ -235,13 +237,21 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
 
 
+def cache_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype a batch-invariant model's KV cache should keep: None (the keys' own) where new rows
+    attend with ``models.attention_kernel``, which reads float32; else float64, exact copies of
+    the float32 keys that the float64 path reads without converting the cache each layer."""
+    return None if device.type == "cpu" and attention_kernel.enabled() else torch.float64
+
+
 def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
                     scale: float) -> torch.Tensor:
     """Batch-invariant attention of new query rows (``[b, h, r, d]``) over ``key`` / ``value``
     (``[b, h_kv, kv, d]``, float32 or exact float64 copies), ``allowed`` the keys each row sees
     (``[r, kv]`` or ``[b, 1, r, kv]``; None: one row that sees every key); float32 ``[b, h, r, d]``.
 
-    Rows before ``LONG_CONTEXT``: torch's fused attention in float64 (GQA without repeating the
+    On a CPU with AVX-512 (float32 rows): ``models.attention_kernel``, every row computed alone.
+    Otherwise, rows before ``LONG_CONTEXT``: torch's fused attention in float64 (GQA without repeating the
     keys): any float64 summation order rounds to the same float32 (module docstring), and one
     call does what eleven small ops did (71 against 158 us a layer for one row over 300 keys).
     Rows from ``LONG_CONTEXT`` on: ``_float32_blocks``, exactly invariant by its fixed shapes.
@@ -249,6 +259,8 @@ def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (one row over 4,000 keys 1.3-4.0 ms a layer against 0.5-1.4 ms in float32 blocks, 12 rows
     7.0 against 2.8 ms), while over a few hundred keys the float32 blocks' fixed shapes cost
     twice the float64 call (0.16-0.24 against 0.08 ms for one row over 300 keys)."""
+    if attention_kernel.usable(query, key):  # exactly invariant at any length, and faster
+        return attention_kernel.attend(query, key, value, allowed, scale)
     kv = key.shape[2]
     gqa = key.shape[1] != query.shape[1]
     # On a GPU the fused kernels' shapes are not this module's to fix: float64 everywhere.

@@ -44,7 +44,8 @@ import torch
 from torch.nn import functional as F
 
 from .int4 import GROUP, Int4Linear, Int4Part
-from . import invariant, q4_vnni  # noqa: F401  (q4_vnni defines the op the scripted stack names)
+from . import attention_kernel, invariant
+from . import cpu_kernels  # noqa: F401  (defines the ops the scripted stack names)
 from .invariant import _allowed, attend_new_rows, float64_variance
 
 def _norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
@@ -80,13 +81,15 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
                     o: List[torch.Tensor], o_sz: List[torch.Tensor], norm2: List[torch.Tensor], eps2: List[float],
                     gate_up: List[torch.Tensor], gate_up_sz: List[torch.Tensor], down: List[torch.Tensor],
                     down_sz: List[torch.Tensor], q_heads: int, qk_width: int, head_dim: int, inter: int, scale: float,
-                    gqa: bool, group: int, vnni: bool) -> List[torch.Tensor]:
+                    gqa: bool, group: int, vnni: bool, row_kernel: bool) -> List[torch.Tensor]:
     """``NativeDecode.run``'s layer loop, op for op (the same ops on the same dtypes in the same
     order: ``_norm``, ``_rotate``, the cache write of ``GrowingLayer.update``, the float64
-    attention of ``attend_new_rows`` below ``LONG_CONTEXT``), for TorchScript: ``x`` ``[n, d]``
-    after the embeddings; each layer's new keys and values are written into ``keys[i]`` /
-    ``values[i]`` at ``past``. Returns the last layer's output, or with ``hidden`` every
-    layer's. With ``vnni`` the weight lists hold ``models.q4_vnni``'s layout (``_int4_mm``)."""
+    attention of ``attend_new_rows`` below ``LONG_CONTEXT``, or with ``row_kernel`` the
+    ``models.attention_kernel`` it takes at any length, ``mask`` then ``[1, n, kv]``), for
+    TorchScript: ``x`` ``[n, d]`` after the embeddings; each layer's new keys and values are
+    written into ``keys[i]`` / ``values[i]`` at ``past``. Returns the last layer's output, or
+    with ``hidden`` every layer's. With ``vnni`` the weight lists hold ``models.q4_vnni``'s
+    layout (``_int4_mm``)."""
     n = x.shape[0]
     d = x.shape[1]
     out: List[torch.Tensor] = []
@@ -98,10 +101,14 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
         qk = xq * cos + xq.roll(head_dim // 2, -1) * sin
         keys[i][:, :, past : past + n] = qk[:, q_heads:]
         values[i][:, :, past : past + n] = qkv_out[:, qk_width:].view(1, n, -1, head_dim).transpose(1, 2).float()
-        a = torch.nn.functional.scaled_dot_product_attention(
-            qk[:, :q_heads].double(), keys[i][:, :, : past + n].double(), values[i][:, :, : past + n].double(),
-            attn_mask=mask, scale=scale, enable_gqa=gqa).float()
-        x = x + _int4_mm(a.transpose(1, 2).reshape(n, -1), o[i], o_sz[i], group, vnni)
+        if row_kernel:  # [1, n, heads, dim]
+            a = torch.ops.constrained_spec.attend_rows(qk[:, :q_heads], keys[i][:, :, : past + n].float(),
+                                                       values[i][:, :, : past + n].float(), mask, scale)
+        else:
+            a = torch.nn.functional.scaled_dot_product_attention(
+                qk[:, :q_heads].double(), keys[i][:, :, : past + n].double(), values[i][:, :, : past + n].double(),
+                attn_mask=mask, scale=scale, enable_gqa=gqa).float().transpose(1, 2)
+        x = x + _int4_mm(a.reshape(n, -1), o[i], o_sz[i], group, vnni)
         var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
         h = norm2[i] * (x * torch.rsqrt(var + eps2[i]))
         gu = _int4_mm(h, gate_up[i], gate_up_sz[i], group, vnni).to(torch.float32)
@@ -169,7 +176,7 @@ class NativeDecode:
             norm2=[la[7].weight for la in self.layers], eps2=[float(la[7].variance_epsilon) for la in self.layers],
             gate_up=each(8, weights), gate_up_sz=each(8, scales), down=each(10, weights), down_sz=each(10, scales),
             q_heads=first[2], qk_width=first[3], head_dim=first[5], inter=first[9][0], scale=float(first[6]),
-            gqa=kv_heads != first[2], group=GROUP, vnni=vnni)
+            gqa=kv_heads != first[2], group=GROUP, vnni=vnni, row_kernel=attention_kernel.fits(first[2], kv_heads, first[5]))
         self._kv_shape = (kv_heads, first[5])
         uniform = all(la[2:4] == first[2:4] and la[5:7] == first[5:7] and la[9] == first[9] for la in self.layers)
         self._scriptable = uniform and len(first[9]) == 2
@@ -190,9 +197,10 @@ class NativeDecode:
 
     def _can_script(self, cache: Any, positions: int, device: torch.device) -> bool:
         """Whether this forward can take the scripted stack: on the CPU, every attention row
-        before ``LONG_CONTEXT`` (the float64 path), and a cache whose layers let their buffers
+        before ``LONG_CONTEXT`` (the float64 path) or the attention kernel on, and a cache whose layers let their buffers
         be written (``GrowingLayer.room_for``), each already holding positions of this request."""
-        return (self.scripted and self._scriptable and device.type == "cpu" and positions <= invariant.LONG_CONTEXT
+        return (self.scripted and self._scriptable and device.type == "cpu"
+                and (positions <= invariant.LONG_CONTEXT or self._weights["row_kernel"])
                 and len(cache.layers) == len(self.layers)
                 and all(hasattr(layer, "room_for") and layer.get_seq_length() > 0 for layer in cache.layers))
 
@@ -215,6 +223,8 @@ class NativeDecode:
         if stack is not None:
             like = torch.empty(1, self._kv_shape[0], n, self._kv_shape[1], dtype=torch.float32)
             rooms = [layer.room_for(like, like) for layer in cache.layers]
+            if mask is not None and self._weights["row_kernel"]:
+                mask = mask[0]
             with torch.jit.optimized_execution(False):
                 outs = stack(x[0], cos, sin, mask, [r[0] for r in rooms], [r[1] for r in rooms], past, hidden,
                              **self._weights)

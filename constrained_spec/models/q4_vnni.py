@@ -20,23 +20,19 @@ block's largest, not 2^-9 of itself): the same rounding llama.cpp applies on thi
 model's bits differ from torch's kernel's; ``CONSTRAINED_SPEC_INT4_KERNEL=vnni`` turns it on
 (default: ``torch``) until the bench shows its field accuracy and greedy agreement.
 
-Built once per machine from ``kernels/q4_1_vnni.cpp`` by ``torch.utils.cpp_extension`` into the
-cache (about 8 s with g++, then a load in milliseconds); a machine without AVX-512 VNNI, a
-compiler, or ninja keeps torch's kernel, with a warning when the kernel was asked for.
+Built once per machine from ``kernels/q4_1_vnni.cpp`` (``models.cpu_kernels``); a machine without
+AVX-512 VNNI, a compiler, or ninja keeps torch's kernel, with a warning when the kernel was asked
+for.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
-import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..storage import cache_dir
+from . import cpu_kernels
 
 KERNEL_ENV = "CONSTRAINED_SPEC_INT4_KERNEL"
 #: Output columns of one packed block (one AVX-512 register of float32); blocks go in pairs.
@@ -44,15 +40,7 @@ COLS = 16
 GROUP = 32
 #: Version of ``pack``'s layout, in the name of the cached weights (a change must not load old ones).
 LAYOUT = 2
-_SOURCE = Path(__file__).parent / "kernels" / "q4_1_vnni.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
-
-# The operator's schema, defined at import whether or not the kernel builds: TorchScript
-# (``models.native_decode``) resolves the op by its schema when it compiles the layer loop, and
-# takes that branch only where the kernel is loaded.
-_LIBRARY = torch.library.Library("constrained_spec", "DEF")
-_LIBRARY.define("q4_1_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor")
+_CPU_FLAGS = cpu_kernels.AVX512 + ("avx512_vnni",)
 
 
 def requested() -> bool:
@@ -66,33 +54,13 @@ def requested() -> bool:
 
 def cpu_supports() -> bool:
     """Whether this CPU has the AVX-512 subsets the kernel is compiled for."""
-    from .int4 import _cpu_flags  # here, not at the top: int4 imports this module
-
-    flags = set(_cpu_flags())
-    return all(f in flags for f in _CPU_FLAGS)
+    return all(f in cpu_kernels.cpu_flags() for f in _CPU_FLAGS)
 
 
-@functools.lru_cache(maxsize=1)
 def load_kernel() -> bool:
     """Build (once per machine and source) and load the kernel; False, with a warning, where it
     cannot be (no AVX-512 VNNI, no compiler or ninja)."""
-    if not cpu_supports():
-        warnings.warn("The VNNI int4 kernel needs AVX-512 VNNI, which this CPU lacks: torch's int4 kernel runs instead.",
-                      stacklevel=2)
-        return False
-    from torch.utils import cpp_extension
-
-    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / f"q4_1_vnni-{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    try:
-        cpp_extension.load(f"constrained_spec_q4_1_vnni_{tag}", [str(_SOURCE)], extra_cflags=_FLAGS,
-                           build_directory=str(build), is_python_module=False, verbose=False)
-    except (OSError, RuntimeError, ImportError) as error:
-        warnings.warn(f"The VNNI int4 kernel did not build ({str(error).splitlines()[0][:200]}): "
-                      "torch's int4 kernel runs instead.", stacklevel=2)
-        return False
-    return True
+    return cpu_kernels.build("q4_1_vnni.cpp", _CPU_FLAGS, ("-mavx512vnni",))
 
 
 def enabled() -> bool:

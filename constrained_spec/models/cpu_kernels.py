@@ -1,0 +1,73 @@
+"""The project's own CPU kernels: their operator schemas and their build, once per machine.
+
+Why hand-written kernels at all: batch invariance needs every row of a forward computed by the
+same instructions in the same order whatever rows share the forward, and no CPU library kernel
+for these ops promises that at speed (``models.q4_vnni``, ``models.attention_kernel`` say why for
+each). They are C++ files beside this package (``kernels/``), built by
+``torch.utils.cpp_extension`` into the cache on first use (about 8 s each with g++, then a load
+in milliseconds) and registered as ``torch.ops.constrained_spec.*``, so TorchScript's layer loop
+(``models.native_decode``) calls them directly. They are compiled with OpenMP: ``at::parallel_for``
+is a header template that runs its body on one thread in a file built without it.
+
+A machine without the instruction sets, a compiler or ninja keeps torch's ops; ``build`` says why
+in a warning when the caller asks it to.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..storage import cache_dir
+
+KERNELS = Path(__file__).parent / "kernels"
+#: AVX-512 foundation, the byte/word, vector-length and dword subsets every kernel here uses.
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+_BASE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
+
+# The operators' schemas, defined at import whether or not a kernel builds: TorchScript resolves
+# an op by its schema when it compiles the layer loop, and takes that branch only where the
+# kernel is loaded.
+_LIBRARY = torch.library.Library("constrained_spec", "DEF")
+_LIBRARY.define("q4_1_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor")
+_LIBRARY.define("attend_rows(Tensor query, Tensor key, Tensor value, Tensor? allowed, float scale) -> Tensor")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty where ``/proc/cpuinfo`` cannot be read)."""
+    from .int4 import _cpu_flags  # here, not at the top: int4 imports the kernels' modules
+
+    return set(_cpu_flags())
+
+
+@functools.lru_cache(maxsize=None)
+def build(source: str, needs: tuple[str, ...], extra_flags: tuple[str, ...] = (), warn: bool = True) -> bool:
+    """Build (once per machine, source and flags) and load ``kernels/<source>``; False where this
+    CPU lacks a flag of ``needs`` or the build fails (with a warning naming why when ``warn``)."""
+    path = KERNELS / source
+    missing = [f for f in needs if f not in cpu_flags()]
+    if missing:
+        if warn:
+            warnings.warn(f"The {path.stem} kernel needs {', '.join(missing)}, which this CPU lacks: torch's op runs "
+                          "instead.", stacklevel=3)
+        return False
+    from torch.utils import cpp_extension
+
+    flags = _BASE_FLAGS + list(extra_flags)
+    tag = hashlib.sha256(path.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    directory = cache_dir() / "kernels" / f"{path.stem}-{tag}"
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(f"constrained_spec_{path.stem}_{tag}", [str(path)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                           verbose=False)
+    except (OSError, RuntimeError, ImportError) as error:
+        if warn:
+            warnings.warn(f"The {path.stem} kernel did not build ({str(error).splitlines()[0][:200]}): torch's op "
+                          "runs instead.", stacklevel=3)
+        return False
+    return True
