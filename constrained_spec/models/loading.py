@@ -122,9 +122,9 @@ def _embedded_tokenizer(cached: Path) -> Any:
 
 def _load_native(name_or_path: str | None, device: str | torch.device | None, precision: str = "native") -> ModelHandle:
     """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached), and
-    its Q8_0 output projection on two int4 calls ("native") or as the exact float32 matrix
-    ("native-exact"; see ``models.q8_output``)."""
-    from . import q4_vnni
+    its Q8_0 output projection on the VNNI kernel or two int4 calls ("native") or as the exact
+    float32 matrix ("native-exact"; see ``models.q8_output``)."""
+    from . import q4_vnni, q8_output
     from .invariant import make_batch_invariant
     from .native import fuse_projections, install_int4, install_q8_output, load_int4, q4_1_linears, save_int4
     from .native_decode import install_native_decode
@@ -134,12 +134,13 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
                              "(name_or_path=None); load other checkpoints with precision='bfloat16' or 'float32'.")
     if device is not None and torch.device(device).type != "cpu":
         raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
-    # The linear layers' kernel is fixed at load: a model's rows must all take one (invariance).
+    # The kernels are fixed at load: a model's rows must all take one (invariance).
     try:
         vnni = q4_vnni.enabled()
-    except ValueError as error:  # a bad $CONSTRAINED_SPEC_INT4_KERNEL, named in the message
+        output = q8_output.kernel() if precision == "native" else "exact"
+    except ValueError as error:  # a bad $CONSTRAINED_SPEC_*_KERNEL, named in the message
         raise ModelLoadError(str(error)) from None
-    key = ("None", precision, str(device), vnni)
+    key = ("None", precision, str(device), vnni, output)
     if key in _LOADED:
         return _LOADED[key]
     from transformers import LlamaForCausalLM
@@ -157,11 +158,14 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
         os.replace(tmp, packed)
     fuse_projections(install_int4(model, linears))
     if precision == "native":
-        install_q8_output(model, _default_gguf_dir() / DEFAULT_MODEL_FILE, cached / "q8_output.safetensors")
+        cache = "q8_output.safetensors" if output == "torch" else f"q8_output-vnni{q8_output.LAYOUT}.safetensors"
+        install_q8_output(model, _default_gguf_dir() / DEFAULT_MODEL_FILE, cached / cache, output)
     make_batch_invariant(model)
     install_native_decode(model)
-    name = DEFAULT_MODEL_NAME + (" (native Q4_1" if precision == "native" else " (native Q4_1, exact Q8_0 output")
-    name += ", VNNI kernel)" if vnni else ")"
+    # The name tells the kernels apart: learned K costs and histories are kept by it.
+    parts = ["native Q4_1", {"exact": "exact Q8_0 output", "vnni": "VNNI output", "torch": ""}[output],
+             "VNNI linears" if vnni else ""]
+    name = f"{DEFAULT_MODEL_NAME} ({', '.join(p for p in parts if p)})"
     handle = ModelHandle(model, tokenizer, name, native_precision=precision)
     warm_up(handle)
     _LOADED[key] = handle

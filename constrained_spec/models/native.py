@@ -120,29 +120,29 @@ def load_int4(path: Path) -> dict[str, Int4Linear]:
             for name in names}
 
 
-def install_q8_output(model: Any, gguf_path: Path | str, cache: Path | None = None) -> Any:
-    """Run ``model``'s output projection (the GGUF's Q8_0 ``token_embd``, tied) on two int4 kernel
-    calls (``models.q8_output``), in place; the packed matrices are cached at ``cache`` when given."""
+def install_q8_output(model: Any, gguf_path: Path | str, cache: Path | None = None, kernel: str = "torch") -> Any:
+    """Run ``model``'s output projection (the GGUF's Q8_0 ``token_embd``, tied) on ``kernel``
+    (``models.q8_output``: ``vnni`` or ``torch``'s two int4 calls), in place; the packed matrices
+    are cached at ``cache`` when given."""
     from .q8_output import Q8OutputProjection
 
     weight = model.get_output_embeddings().weight.detach()
     if cache is not None and cache.is_file():
         from safetensors.torch import load_file
 
-        state = load_file(str(cache))
-        module = Q8OutputProjection(*(state[n] for n in Q8OutputProjection.BUFFERS), weight)
+        module = Q8OutputProjection(load_file(str(cache)), weight, kernel)
     else:
         from gguf import GGMLQuantizationType, GGUFReader
 
         tensor = next((t for t in GGUFReader(str(gguf_path)).tensors if t.name == "token_embd.weight"), None)
         if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
             raise ModelLoadError(f"Native precision needs a Q8_0 token_embd in {gguf_path}; use precision='native-exact'.")
-        module = Q8OutputProjection.from_q8_0(tensor.data, weight)
+        module = Q8OutputProjection.from_q8_0(tensor.data, weight, kernel)
         if cache is not None:
             from safetensors.torch import save_file
 
             tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            save_file({n: getattr(module, n).contiguous() for n in module.BUFFERS}, str(tmp),
+            save_file({n: getattr(module, n).contiguous() for n in module.BUFFERS[kernel]}, str(tmp),
                       metadata={"format": "constrained_spec.q8_output"})
             os.replace(tmp, cache)
     model.set_output_embeddings(module)

@@ -1,39 +1,83 @@
-"""The embedded model's Q8_0 output projection as two calls of torch's int4 kernel.
+"""The embedded model's Q8_0 output projection on a VNNI int8 kernel, or as two calls of torch's
+int4 kernel where that cannot build.
 
 The tied embedding / output matrix (49,152 x 576) is Q8_0 in the GGUF: w = q d, q in -127..127,
 one fp16 scale d per 32 weights. torch has no CPU kernel for per-group int8 weights, so it
 used to run as the dequantized float32 matrix (113 MB read per row block; 8-10 ms of a
-one-token step here, the largest single op). With u = q + 128 = 16 h + l (nibbles h, l in
-0..15), w = 16 d (h - 8) + [d (l - 8) + 8 d]: two int4 matrices with group scales and zeros in
-the form the int4 kernel takes (w = (q4 - 8) s + z), 28 MB in all, no float32 copy read.
-Measured here (``benchmarks/q8_split_probe.py``): 4.3 against 8.1 ms for one row with the
-caches cold.
+one-token step here, the largest single op).
 
-What it costs in exactness: the kernel takes bfloat16 activations and scales and returns
-bfloat16 (as for every Q4_1 layer of the model already, ``models.int4``), so a logit is rounded
-to 8 significant bits: up to 0.06 for logits of 16-32, and a near-tie of two tokens closer than
-that can flip (measured on the bench prompts: ``constrained-spec bench --precision
-native-exact,native``, in the README). Sending the activations as two bfloat16 halves was
-tried and left out: it halves the activations' share of the error but not the output's, at
-twice the time for 2+ rows. Like every layer on the int4 kernel it computes each output row
-alone, so a row's logits do not depend on the rows beside it: batch-invariant as it is, with
-no padded row blocks. ``precision="native-exact"`` keeps the exact float32 matrix.
+**The VNNI kernel** (``kernels/q8_0_vnni.cpp``, the default where AVX-512 VNNI and a compiler are
+there, ``models.cpu_kernels``): each row's block of 32 activations is split into two int8 parts,
+x = dx (a + b / 254) with dx = max|x| / 127 (about 15 bits, where bfloat16 keeps 8), ``vpdpbusd``
+multiplies both with the stored weights exactly in int32, and the block adds ``d dx / 254 (254
+sum(q a) + sum(q b))`` in float32 with the file's fp16 d. No rounding of the logits. Every row
+runs the same instructions in the same order whatever rows are beside it: batch-invariant
+(tested). Measured on the embedded model's matrix (2-core AMD EPYC, median of 30): 0.81 / 0.89 /
+2.97 / 4.29 ms for 1 / 4 / 12 / 21 rows against 1.77 / 3.16 / 9.18 / 17.4 ms on the int4 pair;
+on 27 real final hidden states, the largest logit error against float64 0.0015 (int4 pair:
+0.26) and every argmax the exact one's (int4 pair: 26 of 27).
+``CONSTRAINED_SPEC_OUTPUT_KERNEL=torch`` keeps the int4 pair.
 
-``weight`` stays the exact float32 matrix (the input embedding shares it, and the logits path
-over a few allowed ids, ``decoding.logits``, gathers its rows), so only full-vocabulary rows
-take the int4 path.
+**The int4 pair** (any CPU): with u = q + 128 = 16 h + l (nibbles h, l in 0..15), w = 16 d (h - 8)
++ [d (l - 8) + 8 d]: two int4 matrices with group scales and zeros in the form the int4 kernel
+takes (w = (q4 - 8) s + z), 28 MB in all, no float32 copy read (``benchmarks/q8_split_probe.py``:
+4.3 against 8.1 ms for one row with the caches cold). The kernel takes bfloat16 activations and
+scales and returns bfloat16 (as for every Q4_1 layer on torch's kernel, ``models.int4``), so a
+logit is rounded to 8 significant bits: up to 0.06 for logits of 16-32, and a near-tie of two
+tokens closer than that can flip (``constrained-spec bench --precision native-exact,native``).
+Like every layer on the int4 kernel it computes each output row alone: batch-invariant as it is.
+
+``precision="native-exact"`` keeps the exact float32 matrix. ``weight`` stays the exact float32
+matrix either way (the input embedding shares it, and the logits path over a few allowed ids,
+``decoding.logits``, gathers its rows), so only full-vocabulary rows take a kernel.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
 from torch import nn
 
+from . import cpu_kernels
 from .int4 import GROUP
 
 #: Bytes of one Q8_0 block: fp16 d, 32 int8 weights.
 Q8_0_BLOCK_BYTES = 34
+KERNEL_ENV = "CONSTRAINED_SPEC_OUTPUT_KERNEL"
+#: Output columns of one block of the VNNI layout (one AVX-512 register of float32).
+COLS = 16
+#: Version of ``pack_vnni``'s layout, in the name of the cached weights (a change must not load old ones).
+LAYOUT = 1
+_CPU_FLAGS = cpu_kernels.AVX512 + ("avx512_vnni",)
+
+
+def kernel() -> str:
+    """The output kernel new native models take: ``vnni`` (the default, where it builds) or
+    ``torch`` (the int4 pair); ``$CONSTRAINED_SPEC_OUTPUT_KERNEL`` picks, and a value other than
+    those two is refused by name. Asked for by name and unable to build: a warning says why."""
+    value = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if value not in ("", "vnni", "torch"):
+        raise ValueError(f"Invalid {KERNEL_ENV}={value!r}: use 'vnni' (the default where it builds) or 'torch'.")
+    if value == "torch":
+        return "torch"
+    return "vnni" if cpu_kernels.build("q8_0_vnni.cpp", _CPU_FLAGS, ("-mavx512vnni",), warn=value == "vnni") else "torch"
+
+
+def pack_vnni(q: np.ndarray, d: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VNNI kernel's layout of ``unpack_q8_0``'s ``q`` ``[N, K]`` and ``d`` ``[N, K/32]``:
+    ``packed`` uint8 ``[N/16, K/32, 512]``, q + 128 for each 16 columns and group as eight 64-byte
+    loads of weights k = 4t..4t+3, column-major in fours (``vpdpbusd``'s operand layout);
+    ``scales`` float16 ``[N/16, K/32, 16]``, as stored."""
+    n, k = q.shape
+    if n % COLS or k % GROUP:
+        raise ValueError(f"Cannot pack a {n} x {k} Q8_0 matrix for the VNNI kernel: rows must be a multiple of "
+                         f"{COLS} and columns of {GROUP}.")
+    u = (q.astype(np.int16) + 128).astype(np.uint8).reshape(n // COLS, COLS, k // GROUP, 8, 4)
+    packed = u.transpose(0, 2, 3, 1, 4).reshape(n // COLS, k // GROUP, 8 * COLS * 4)
+    scales = d.astype(np.float16).reshape(n // COLS, COLS, k // GROUP).transpose(0, 2, 1)
+    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales))
 
 
 def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -52,40 +96,51 @@ def _pack(q4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[to
 
 
 class Q8OutputProjection(nn.Module):
-    """A bias-free output layer over Q8_0 weights on two int4 kernel calls (module docstring).
+    """A bias-free output layer over Q8_0 weights on the VNNI kernel or two int4 kernel calls
+    (module docstring).
 
     ``weight``: the exact dequantized float32 matrix (shared with the input embedding; not read
     by ``forward``)."""
 
-    #: The packed matrices, in the order ``__init__`` takes them (and a cache stores them).
-    BUFFERS = ("packed_hi", "sz_hi", "packed_lo", "sz_lo")
+    #: Per kernel, the packed matrices it reads (what ``__init__`` takes and a cache stores).
+    BUFFERS = {"torch": ("packed_hi", "sz_hi", "packed_lo", "sz_lo"), "vnni": ("vnni_packed", "vnni_scales")}
 
-    def __init__(self, packed_hi: torch.Tensor, sz_hi: torch.Tensor, packed_lo: torch.Tensor, sz_lo: torch.Tensor,
-                 weight: torch.Tensor) -> None:
+    def __init__(self, buffers: dict[str, torch.Tensor], weight: torch.Tensor, kernel: str = "torch") -> None:
         super().__init__()
+        if kernel not in self.BUFFERS:
+            raise ValueError(f"Unknown output kernel {kernel!r}: use one of {sorted(self.BUFFERS)}.")
+        self.kernel = kernel
         self.out_features, self.in_features = weight.shape
-        for name, t in zip(self.BUFFERS, (packed_hi, sz_hi, packed_lo, sz_lo)):
-            self.register_buffer(name, t, persistent=False)
+        for name in self.BUFFERS[kernel]:
+            self.register_buffer(name, buffers[name], persistent=False)
         self.weight = weight  # a plain attribute: the embedding owns the parameter
         self.bias = None
 
     @staticmethod
-    def from_q8_0(raw: np.ndarray, weight: torch.Tensor) -> "Q8OutputProjection":
-        """Pack a Q8_0 tensor's raw bytes (``weight``: its dequantized float32 matrix, checked against them)."""
+    def from_q8_0(raw: np.ndarray, weight: torch.Tensor, kernel: str = "torch") -> "Q8OutputProjection":
+        """Pack a Q8_0 tensor's raw bytes for ``kernel`` (``weight``: its dequantized float32
+        matrix, checked against them)."""
         n, k = weight.shape
         q, d = unpack_q8_0(raw, (n, k))
         q_t, d_t = torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d.astype(np.float32))
         exact = (q_t.reshape(n, k // GROUP, GROUP).float() * d_t[..., None]).reshape(n, k)
         if not torch.equal(exact, weight.float()):
             raise ValueError("The Q8_0 tensor does not dequantize to the model's output matrix.")
+        if kernel == "vnni":
+            packed, scales = pack_vnni(q, d)
+            return Q8OutputProjection({"vnni_packed": packed, "vnni_scales": scales}, weight, kernel)
         u = q_t + 128  # 1..255
         hi, lo = u >> 4, u & 15
-        packed_hi, sz_hi = _pack(hi, 16 * d_t, torch.zeros_like(d_t))
-        packed_lo, sz_lo = _pack(lo, d_t, 8 * d_t)
-        return Q8OutputProjection(packed_hi, sz_hi, packed_lo, sz_lo, weight)
+        (packed_hi, sz_hi), (packed_lo, sz_lo) = _pack(hi, 16 * d_t, torch.zeros_like(d_t)), _pack(lo, d_t, 8 * d_t)
+        return Q8OutputProjection({"packed_hi": packed_hi, "sz_hi": sz_hi, "packed_lo": packed_lo, "sz_lo": sz_lo},
+                                  weight, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., K]`` -> float32 logits ``[..., N]``."""
+        if self.kernel == "vnni":
+            rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+            y = torch.ops.constrained_spec.q8_0_mm(rows, self.vnni_packed, self.vnni_scales)
+            return y.reshape(*x.shape[:-1], self.out_features)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         y = mm(rows, self.packed_hi, GROUP, self.sz_hi).float()
@@ -93,4 +148,5 @@ class Q8OutputProjection(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0 as two int4 matrices"
+        how = "on the VNNI int8 kernel" if self.kernel == "vnni" else "as two int4 matrices"
+        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0 {how}"
