@@ -205,20 +205,21 @@ def test_native_model_runs_the_stored_weights(smol_float32):
     assert torch.equal(logits.argmax(-1), exact_logits.argmax(-1))
 
 
-@pytest.fixture(scope="module", params=["torch", "vnni"])
+@pytest.fixture(scope="module", params=["torch", "vnni", "vnni-int8"])
 def native_and_tokens(smol, request):
-    """The native model on each int4 kernel (``models.q4_vnni``: where this CPU has AVX-512 VNNI),
+    """The native model on each int4 kernel (``models.q4_vnni``, either rounding: where this CPU has AVX-512 VNNI),
     the first bench prompt and a 24-token answer. The kernel's variable stays set for the tests
     that use it, so their own ``load_model`` calls take the same kernel."""
     from constrained_spec.bench.single import DEFAULT_PROMPTS, load_prompts
     from constrained_spec.models import q4_vnni
 
-    if request.param == "vnni" and not (q4_vnni.cpu_supports() and q4_vnni.load_kernel()):
+    if request.param != "torch" and not (q4_vnni.cpu_supports() and q4_vnni.load_kernel()):
         pytest.skip("no AVX-512 VNNI kernel on this machine")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(q4_vnni.KERNEL_ENV, request.param)
         native = load_model(precision="native")
-        assert native.model.model.native_decode._weights["vnni"] == (request.param == "vnni")
+        weights = native.model.model.native_decode._weights
+        assert weights["vnni"] == (request.param != "torch") and weights["split"] == (request.param == "vnni")
         item = load_prompts(DEFAULT_PROMPTS)[0]
         text = native.tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
                                                     add_generation_prompt=True, tokenize=False)

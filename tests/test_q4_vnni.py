@@ -1,5 +1,6 @@
-"""The VNNI int4 kernel (``models.q4_vnni``): llama.cpp's Q4_1 x Q8_1 arithmetic, row for row
-the same bits whatever the batch, and its layout's concatenation for fused layers."""
+"""The VNNI int4 kernel (``models.q4_vnni``): llama.cpp's Q4_1 x Q8_1 arithmetic, or activations
+split into two int8 parts, row for row the same bits whatever the batch, and its layout's
+concatenation for fused layers."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_kernel_computes_q4_1_times_q8_1(shape):
     times the float activations: within the int8 rounding (and not equal: it does round)."""
     n, k = shape
     raw = random_q4_1(n, k, seed=7)
-    layer = Int4Linear.from_q4_1(raw, shape, vnni=True)
+    layer = Int4Linear.from_q4_1(raw, shape, vnni=True, vnni_split=False)
     x = torch.randn(13, k, generator=torch.Generator().manual_seed(8))
     got = layer(x).double().numpy()
     scale = np.abs(got).max()
@@ -48,11 +49,30 @@ def test_kernel_computes_q4_1_times_q8_1(shape):
     assert 0 < np.abs(got - exact).max() < 2e-2 * scale
 
 
-def test_a_row_has_the_same_bits_alone_or_among_any_rows():
+@pytest.mark.parametrize("shape", [(64, 96), (192, 576)])
+def test_split_activations_give_the_stored_weights_times_the_activations(shape):
+    """Two int8 parts a block (about 15 bits): within float32 accumulation of the exact product,
+    over 100x closer than one int8 part, and closer than torch's kernel (bfloat16 activations)."""
+    n, k = shape
+    raw = random_q4_1(n, k, seed=7)
+    split = Int4Linear.from_q4_1(raw, shape, vnni=True)
+    assert split.vnni_split
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(8))
+    exact = x.double().numpy() @ dequantize_q4_1(raw, shape).astype(np.float64).T
+    error = np.abs(split(x).double().numpy() - exact).max()
+    assert error < 1e-4 * np.abs(exact).max()
+    one_part = Int4Linear.from_q4_1(raw, shape, vnni=True, vnni_split=False)
+    assert error * 100 < np.abs(one_part(x).double().numpy() - exact).max()
+    torch_kernel = Int4Linear.from_q4_1(raw, shape)
+    assert error * 10 < np.abs(torch_kernel(x).double().numpy() - exact).max()
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_row_has_the_same_bits_alone_or_among_any_rows(split):
     """Row blocks of 4 and the 1-3 left over run the same instructions per row: every row of 37,
     and of slices cut across those blocks, equals its one-row result bit for bit."""
     n, k = 128, 160
-    layer = Int4Linear.from_q4_1(random_q4_1(n, k, seed=9), (n, k), vnni=True)
+    layer = Int4Linear.from_q4_1(random_q4_1(n, k, seed=9), (n, k), vnni=True, vnni_split=split)
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(10))
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(layer(x), alone)
@@ -62,11 +82,13 @@ def test_a_row_has_the_same_bits_alone_or_among_any_rows():
     assert layer(x[:0]).shape == (0, n)
 
 
-def test_fused_vnni_layers_equal_the_separate_ones_bit_for_bit():
+@pytest.mark.parametrize("split", [True, False])
+def test_fused_vnni_layers_equal_the_separate_ones_bit_for_bit(split):
     k = 96
-    layers = [Int4Linear.from_q4_1(random_q4_1(n, k, seed=s), (n, k), vnni=True) for n, s in ((128, 1), (64, 2), (64, 3))]
+    layers = [Int4Linear.from_q4_1(random_q4_1(n, k, seed=s), (n, k), vnni=True, vnni_split=split)
+              for n, s in ((128, 1), (64, 2), (64, 3))]
     fused = FusedInt4(layers)
-    assert fused.layer.vnni_packed is not None
+    assert fused.layer.vnni_packed is not None and fused.layer.vnni_split == split
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(11))
     for i, layer in enumerate(layers):
         assert torch.equal(fused.part(x, i), layer(x))
@@ -79,7 +101,7 @@ def test_bad_inputs_are_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match="multiple of 32"):
         q4_vnni.pack(*unpack_q4_1(random_q4_1(48, 96), (48, 96)))
     monkeypatch.setenv(q4_vnni.KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match="'torch' .* or 'vnni'"):
+    with pytest.raises(ValueError, match="'torch', 'vnni', 'vnni-int8'"):
         q4_vnni.requested()
     with pytest.raises(ModelLoadError, match="CONSTRAINED_SPEC_INT4_KERNEL='fast'"):
         load_model(precision="native")

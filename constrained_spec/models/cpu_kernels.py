@@ -33,7 +33,7 @@ _BASE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-m
 # an op by its schema when it compiles the layer loop, and takes that branch only where the
 # kernel is loaded.
 _LIBRARY = torch.library.Library("constrained_spec", "DEF")
-_LIBRARY.define("q4_1_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor")
+_LIBRARY.define("q4_1_mm(Tensor x, Tensor packed, Tensor scales, bool split) -> Tensor")
 _LIBRARY.define("q8_0_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor")
 _LIBRARY.define("attend_rows(Tensor query, Tensor key, Tensor value, Tensor? allowed, float scale) -> Tensor")
 

@@ -112,13 +112,15 @@ class Int4Linear(nn.Module):
     bfloat16 ``[K/32, N, 2]``. ``prompt_weight`` (bfloat16 ``[N, K]``), ``rows`` (a
     ``models.invariant.RowSplit``) and ``prompt_dtype`` (``prompt_matmul_dtype()`` unless set):
     the dense path of prompt rows (see the module docstring). ``vnni``: the same weights in
-    ``models.q4_vnni``'s layout (``pack``), which then computes every kernel row instead.
+    ``models.q4_vnni``'s layout (``pack``), which then computes every kernel row instead, with
+    activations split into two int8 parts (``vnni_split``, about 15 bits) or rounded to one.
     """
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
                  out_features: int, prompt_weight: torch.Tensor | None = None,
-                 vnni: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 vnni: tuple[torch.Tensor, torch.Tensor] | None = None, vnni_split: bool = True) -> None:
         super().__init__()
+        self.vnni_split = vnni_split
         self.in_features = in_features
         self.out_features = out_features
         self.register_buffer("packed", packed, persistent=True)
@@ -133,9 +135,9 @@ class Int4Linear(nn.Module):
 
     @staticmethod
     def from_q4_1(raw: np.ndarray, shape: tuple[int, int], row_order: np.ndarray | None = None,
-                   vnni: bool = False) -> "Int4Linear":
+                   vnni: bool = False, vnni_split: bool = True) -> "Int4Linear":
         """Pack a Q4_1 tensor's raw bytes; ``row_order`` permutes output rows (q/k projections);
-        ``vnni``: for ``models.q4_vnni``'s kernel too."""
+        ``vnni``: for ``models.q4_vnni``'s kernel too (``vnni_split``: its activations' two parts)."""
         q, d, m = unpack_q4_1(raw, shape)
         if row_order is not None:
             q, d, m = q[row_order], d[row_order], m[row_order]
@@ -143,7 +145,8 @@ class Int4Linear(nn.Module):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         d32, m32 = d.astype(np.float32), m.astype(np.float32)
         sz = torch.from_numpy(np.stack([d32.T, (m32 + 8 * d32).T], axis=-1).copy()).to(torch.bfloat16)
-        return Int4Linear(packed, sz, in_features=shape[1], out_features=shape[0], vnni=vnni_weights)
+        return Int4Linear(packed, sz, in_features=shape[1], out_features=shape[0], vnni=vnni_weights,
+                          vnni_split=vnni_split)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
@@ -173,7 +176,7 @@ class Int4Linear(nn.Module):
         callers whose next op promotes it exactly, ``models.native_decode``); float32 from the
         VNNI kernel where the layer has its weights."""
         if self.vnni_packed is not None:
-            return q4_vnni.q4_1_mm(x.reshape(-1, self.in_features), self.vnni_packed, self.vnni_scales)
+            return q4_vnni.q4_1_mm(x.reshape(-1, self.in_features), self.vnni_packed, self.vnni_scales, self.vnni_split)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
 
@@ -207,7 +210,8 @@ class FusedInt4:
         self.layer = Int4Linear(torch.cat([m.packed for m in layers]),
                                 torch.cat([m.scales_and_zeros for m in layers], dim=1),
                                 in_features=layers[0].in_features, out_features=sum(m.out_features for m in layers),
-                                prompt_weight=torch.cat(dense) if all(w is not None for w in dense) else None, vnni=vnni)
+                                prompt_weight=torch.cat(dense) if all(w is not None for w in dense) else None, vnni=vnni,
+                                vnni_split=layers[0].vnni_split)
         self.sizes = [m.out_features for m in layers]
         self._local = threading.local()  # forwards in two threads must not read each other's outputs
 

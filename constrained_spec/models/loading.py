@@ -136,11 +136,12 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
         raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
     # The kernels are fixed at load: a model's rows must all take one (invariance).
     try:
-        vnni = q4_vnni.enabled()
+        linears = q4_vnni.kernel()
         output = q8_output.kernel() if precision == "native" else "exact"
     except ValueError as error:  # a bad $CONSTRAINED_SPEC_*_KERNEL, named in the message
         raise ModelLoadError(str(error)) from None
-    key = ("None", precision, str(device), vnni, output)
+    vnni, split = linears != "torch", linears == "vnni"
+    key = ("None", precision, str(device), linears, output)
     if key in _LOADED:
         return _LOADED[key]
     from transformers import LlamaForCausalLM
@@ -150,13 +151,13 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     model = LlamaForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
     packed = cached / (f"int4-vnni{q4_vnni.LAYOUT}.safetensors" if vnni else "int4.safetensors")
     if packed.is_file():
-        linears = load_int4(packed)
+        layers = load_int4(packed, vnni_split=split)
     else:
-        linears = q4_1_linears(_default_gguf_dir() / DEFAULT_MODEL_FILE, model.config, vnni=vnni)
+        layers = q4_1_linears(_default_gguf_dir() / DEFAULT_MODEL_FILE, model.config, vnni=vnni, vnni_split=split)
         tmp = packed.with_suffix(f".{os.getpid()}.tmp")
-        save_int4(linears, tmp)
+        save_int4(layers, tmp)
         os.replace(tmp, packed)
-    fuse_projections(install_int4(model, linears))
+    fuse_projections(install_int4(model, layers))
     if precision == "native":
         cache = "q8_output.safetensors" if output == "torch" else f"q8_output-vnni{q8_output.LAYOUT}.safetensors"
         install_q8_output(model, _default_gguf_dir() / DEFAULT_MODEL_FILE, cached / cache, output)
@@ -164,7 +165,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     install_native_decode(model)
     # The name tells the kernels apart: learned K costs and histories are kept by it.
     parts = ["native Q4_1", {"exact": "exact Q8_0 output", "vnni": "VNNI output", "torch": ""}[output],
-             "VNNI linears" if vnni else ""]
+             {"torch": "", "vnni": "VNNI linears", "vnni-int8": "VNNI int8 linears"}[linears]]
     name = f"{DEFAULT_MODEL_NAME} ({', '.join(p for p in parts if p)})"
     handle = ModelHandle(model, tokenizer, name, native_precision=precision)
     warm_up(handle)

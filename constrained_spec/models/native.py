@@ -33,9 +33,9 @@ def _hf_row_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def q4_1_linears(gguf_path: Path | str, config: Any, vnni: bool = False) -> dict[str, Int4Linear]:
+def q4_1_linears(gguf_path: Path | str, config: Any, vnni: bool = False, vnni_split: bool = True) -> dict[str, Int4Linear]:
     """``Int4Linear`` modules for every Q4_1 linear layer of a llama-family GGUF, by module name
-    (``vnni``: with ``models.q4_vnni``'s layout too)."""
+    (``vnni``: with ``models.q4_vnni``'s layout too, ``vnni_split`` its activations' two parts)."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -52,7 +52,8 @@ def q4_1_linears(gguf_path: Path | str, config: Any, vnni: bool = False) -> dict
             order = _hf_row_order(shape[0], config.num_attention_heads)
         elif parts[2] == "attn_k":
             order = _hf_row_order(shape[0], config.num_key_value_heads)
-        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = Int4Linear.from_q4_1(tensor.data, shape, order, vnni=vnni)
+        out[f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"] = Int4Linear.from_q4_1(tensor.data, shape, order, vnni=vnni,
+                                                                                  vnni_split=vnni_split)
     if not out:
         raise ModelLoadError(f"No Q4_1 linear layers in {gguf_path}: native precision needs a Q4_1 GGUF.")
     return out
@@ -107,8 +108,9 @@ def save_int4(linears: dict[str, Int4Linear], path: Path) -> None:
     save_file(state, str(path), metadata={"format": "constrained_spec.int4"})
 
 
-def load_int4(path: Path) -> dict[str, Int4Linear]:
-    """The modules cached by ``save_int4``."""
+def load_int4(path: Path, vnni_split: bool = True) -> dict[str, Int4Linear]:
+    """The modules cached by ``save_int4`` (``vnni_split``: how layers with the VNNI layout round
+    their activations, ``models.q4_vnni``)."""
     from safetensors.torch import load_file
 
     state = load_file(str(path))
@@ -116,7 +118,7 @@ def load_int4(path: Path) -> dict[str, Int4Linear]:
     return {name: Int4Linear(state[f"{name}.packed"], state[f"{name}.scales_and_zeros"],
                              in_features=int(state[f"{name}.shape"][1]), out_features=int(state[f"{name}.shape"][0]),
                              vnni=(state[f"{name}.vnni_packed"], state[f"{name}.vnni_scales"])
-                             if f"{name}.vnni_packed" in state else None)
+                             if f"{name}.vnni_packed" in state else None, vnni_split=vnni_split)
             for name in names}
 
 

@@ -67,11 +67,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int, vnni: bool) -> torch.Tensor:
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int, vnni: bool,
+             split: bool) -> torch.Tensor:
     """``Int4Linear.kernel_bfloat16`` for the scripted stack: torch's int4 kernel (bfloat16 out)
     or, with ``vnni``, ``models.q4_vnni``'s (float32 out; the next ops promote either exactly)."""
     if vnni:
-        return torch.ops.constrained_spec.q4_1_mm(x.contiguous(), packed, scales)
+        return torch.ops.constrained_spec.q4_1_mm(x.contiguous(), packed, scales, split)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed, group, scales)
 
 
@@ -81,7 +82,7 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
                     o: List[torch.Tensor], o_sz: List[torch.Tensor], norm2: List[torch.Tensor], eps2: List[float],
                     gate_up: List[torch.Tensor], gate_up_sz: List[torch.Tensor], down: List[torch.Tensor],
                     down_sz: List[torch.Tensor], q_heads: int, qk_width: int, head_dim: int, inter: int, scale: float,
-                    gqa: bool, group: int, vnni: bool, row_kernel: bool) -> List[torch.Tensor]:
+                    gqa: bool, group: int, vnni: bool, split: bool, row_kernel: bool) -> List[torch.Tensor]:
     """``NativeDecode.run``'s layer loop, op for op (the same ops on the same dtypes in the same
     order: ``_norm``, ``_rotate``, the cache write of ``GrowingLayer.update``, the float64
     attention of ``attend_new_rows`` below ``LONG_CONTEXT``, or with ``row_kernel`` the
@@ -89,14 +90,14 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
     TorchScript: ``x`` ``[n, d]`` after the embeddings; each layer's new keys and values are
     written into ``keys[i]`` / ``values[i]`` at ``past``. Returns the last layer's output, or
     with ``hidden`` every layer's. With ``vnni`` the weight lists hold ``models.q4_vnni``'s
-    layout (``_int4_mm``)."""
+    layout (``_int4_mm``, ``split`` its activations' two parts)."""
     n = x.shape[0]
     d = x.shape[1]
     out: List[torch.Tensor] = []
     for i in range(len(norm1)):
         var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
         h = norm1[i] * (x * torch.rsqrt(var + eps1[i]))
-        qkv_out = _int4_mm(h, qkv[i], qkv_sz[i], group, vnni)
+        qkv_out = _int4_mm(h, qkv[i], qkv_sz[i], group, vnni, split)
         xq = qkv_out[:, :qk_width].view(1, n, -1, head_dim).transpose(1, 2)
         qk = xq * cos + xq.roll(head_dim // 2, -1) * sin
         keys[i][:, :, past : past + n] = qk[:, q_heads:]
@@ -108,11 +109,11 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
             a = torch.nn.functional.scaled_dot_product_attention(
                 qk[:, :q_heads].double(), keys[i][:, :, : past + n].double(), values[i][:, :, : past + n].double(),
                 attn_mask=mask, scale=scale, enable_gqa=gqa).float().transpose(1, 2)
-        x = x + _int4_mm(a.reshape(n, -1), o[i], o_sz[i], group, vnni)
+        x = x + _int4_mm(a.reshape(n, -1), o[i], o_sz[i], group, vnni, split)
         var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
         h = norm2[i] * (x * torch.rsqrt(var + eps2[i]))
-        gu = _int4_mm(h, gate_up[i], gate_up_sz[i], group, vnni).to(torch.float32)
-        x = x + _int4_mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], down_sz[i], group, vnni)
+        gu = _int4_mm(h, gate_up[i], gate_up_sz[i], group, vnni, split).to(torch.float32)
+        x = x + _int4_mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], down_sz[i], group, vnni, split)
         if hidden:
             out.append(x)
     if not hidden:
@@ -176,7 +177,7 @@ class NativeDecode:
             norm2=[la[7].weight for la in self.layers], eps2=[float(la[7].variance_epsilon) for la in self.layers],
             gate_up=each(8, weights), gate_up_sz=each(8, scales), down=each(10, weights), down_sz=each(10, scales),
             q_heads=first[2], qk_width=first[3], head_dim=first[5], inter=first[9][0], scale=float(first[6]),
-            gqa=kv_heads != first[2], group=GROUP, vnni=vnni, row_kernel=attention_kernel.fits(first[2], kv_heads, first[5]))
+            gqa=kv_heads != first[2], group=GROUP, vnni=vnni, split=vnni and first[1].vnni_split, row_kernel=attention_kernel.fits(first[2], kv_heads, first[5]))
         self._kv_shape = (kv_heads, first[5])
         uniform = all(la[2:4] == first[2:4] and la[5:7] == first[5:7] and la[9] == first[9] for la in self.layers)
         self._scriptable = uniform and len(first[9]) == 2

@@ -43,13 +43,20 @@ LAYOUT = 2
 _CPU_FLAGS = cpu_kernels.AVX512 + ("avx512_vnni",)
 
 
-def requested() -> bool:
-    """Whether ``$CONSTRAINED_SPEC_INT4_KERNEL`` asks for this kernel (``vnni``); anything else
-    but ``torch`` or empty is refused with the values it takes."""
-    value = os.environ.get(KERNEL_ENV, "").strip().lower()
-    if value not in ("", "torch", "vnni"):
-        raise ValueError(f"Invalid {KERNEL_ENV}={value!r}: use 'torch' (the default) or 'vnni'.")
-    return value == "vnni"
+#: ``$CONSTRAINED_SPEC_INT4_KERNEL``'s values: torch's kernel, this one with activations split
+#: into two int8 parts, this one with llama.cpp's one int8 rounding.
+KERNELS = ("torch", "vnni", "vnni-int8")
+DEFAULT = "torch"
+
+
+def requested() -> str:
+    """The kernel ``$CONSTRAINED_SPEC_INT4_KERNEL`` asks for (one of ``KERNELS``; unset: ``DEFAULT``);
+    another value is refused with the ones it takes."""
+    value = os.environ.get(KERNEL_ENV, "").strip().lower() or DEFAULT
+    if value not in KERNELS:
+        raise ValueError(f"Invalid {KERNEL_ENV}={value!r}: use one of {', '.join(map(repr, KERNELS))} "
+                         f"(default {DEFAULT!r}).")
+    return value
 
 
 def cpu_supports() -> bool:
@@ -63,9 +70,12 @@ def load_kernel() -> bool:
     return cpu_kernels.build("q4_1_vnni.cpp", _CPU_FLAGS, ("-mavx512vnni",))
 
 
-def enabled() -> bool:
-    """Whether new native models take this kernel: asked for, and loaded."""
-    return requested() and load_kernel()
+def kernel() -> str:
+    """The kernel new native models take: the one asked for, or ``torch`` where this one does not
+    load (with a warning)."""
+    value = requested()
+    return value if value == "torch" or load_kernel() else "torch"
+
 
 
 def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +97,7 @@ def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, tor
     return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales))
 
 
-def q4_1_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[M, K]`` (any float dtype) times the packed weights: float32 ``[M, N]``."""
-    return torch.ops.constrained_spec.q4_1_mm(x.to(torch.float32).contiguous(), packed, scales)
+def q4_1_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, split: bool = True) -> torch.Tensor:
+    """``x`` ``[M, K]`` (any float dtype) times the packed weights: float32 ``[M, N]``; ``split``:
+    activations as two int8 parts (about 15 bits), else one (llama.cpp's Q8_1 rounding)."""
+    return torch.ops.constrained_spec.q4_1_mm(x.to(torch.float32).contiguous(), packed, scales, split)
