@@ -10,6 +10,7 @@
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -82,105 +83,171 @@ void transpose_keys(const View4& k, int64_t bi, int64_t hk, int64_t KV, int64_t 
   }
 }
 
-// Scores of one query row against NB blocks of 16 keys of kt: each key's dot product is
+// Scores of NQ query vectors against NB blocks of 16 keys of kt: each key's dot product is
 // q[0] k[0], then an FMA per dimension in order, then times the scale: the same arithmetic in
-// every lane, pass and row.
-template <int NB>
-inline void score_blocks(const float* qp, const float* kt, int64_t padded, int64_t D, float scale, float* s) {
-  __m512 a[NB];
-  const __m512 q0 = _mm512_set1_ps(qp[0]);
-  for (int b = 0; b < NB; ++b) a[b] = _mm512_mul_ps(q0, _mm512_loadu_ps(kt + b * LANES));
+// every lane, pass, block and query vector, whatever vectors share the pass.
+template <int NB, int NQ>
+inline void score_blocks(const float* const* qp, const float* kt, int64_t padded, int64_t D, float scale,
+                         float* const* s, int64_t at) {
+  __m512 a[NQ][NB];
+  for (int q = 0; q < NQ; ++q) {
+    const __m512 q0 = _mm512_set1_ps(qp[q][0]);
+    for (int b = 0; b < NB; ++b) a[q][b] = _mm512_mul_ps(q0, _mm512_loadu_ps(kt + b * LANES));
+  }
   for (int64_t d = 1; d < D; ++d) {
-    const __m512 qd = _mm512_set1_ps(qp[d]);
     const float* row = kt + d * padded;
-    for (int b = 0; b < NB; ++b) a[b] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(row + b * LANES), a[b]);
+    __m512 kv[NB];
+    for (int b = 0; b < NB; ++b) kv[b] = _mm512_loadu_ps(row + b * LANES);
+    for (int q = 0; q < NQ; ++q) {
+      const __m512 qd = _mm512_set1_ps(qp[q][d]);
+      for (int b = 0; b < NB; ++b) a[q][b] = _mm512_fmadd_ps(qd, kv[b], a[q][b]);
+    }
   }
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + b * LANES, _mm512_mul_ps(a[b], sc));
+  for (int q = 0; q < NQ; ++q)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s[q] + at + b * LANES, _mm512_mul_ps(a[q][b], sc));
 }
 
-void score_row(const float* qp, const float* kt, int64_t padded, int64_t D, int64_t blocks, float scale, float* s) {
+// NQ query vectors' scores over `blocks` blocks of 16 keys: four blocks a pass (NQ x 4 accumulators).
+template <int NQ>
+void score_vectors(const float* const* qp, const float* kt, int64_t padded, int64_t D, int64_t blocks, float scale,
+                   float* const* s) {
   int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) score_blocks<8>(qp, kt + b * LANES, padded, D, scale, s + b * LANES);
-  const float* k = kt + b * LANES;
-  float* o = s + b * LANES;
+  for (; b + 4 <= blocks; b += 4) score_blocks<4, NQ>(qp, kt + b * LANES, padded, D, scale, s, b * LANES);
   switch (blocks - b) {
-    case 7: score_blocks<7>(qp, k, padded, D, scale, o); break;
-    case 6: score_blocks<6>(qp, k, padded, D, scale, o); break;
-    case 5: score_blocks<5>(qp, k, padded, D, scale, o); break;
-    case 4: score_blocks<4>(qp, k, padded, D, scale, o); break;
-    case 3: score_blocks<3>(qp, k, padded, D, scale, o); break;
-    case 2: score_blocks<2>(qp, k, padded, D, scale, o); break;
-    case 1: score_blocks<1>(qp, k, padded, D, scale, o); break;
+    case 3: score_blocks<3, NQ>(qp, kt + b * LANES, padded, D, scale, s, b * LANES); break;
+    case 2: score_blocks<2, NQ>(qp, kt + b * LANES, padded, D, scale, s, b * LANES); break;
+    case 1: score_blocks<1, NQ>(qp, kt + b * LANES, padded, D, scale, s, b * LANES); break;
     default: break;
   }
 }
 
-// GB heads' weighted sums of the values over the sequence `keys[0..n)`, divided by `total`.
-template <int DC, int GB>
-inline void weigh_values(const View4& v, int64_t bi, int64_t hk, const int32_t* keys, int64_t n, const float* weights,
-                         int64_t seq, const __m512* total, float* out) {
-  __m512 acc[GB][DC];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+// Every query vector's scores, six vectors a pass: kt is read once for six of them.
+void score_all(const float* const* qp, int nq, const float* kt, int64_t padded, int64_t D, int64_t blocks, float scale,
+               float* const* s) {
+  for (int q = 0; q < nq; q += 6) {
+    switch (std::min(6, nq - q)) {
+      case 6: score_vectors<6>(qp + q, kt, padded, D, blocks, scale, s + q); break;
+      case 5: score_vectors<5>(qp + q, kt, padded, D, blocks, scale, s + q); break;
+      case 4: score_vectors<4>(qp + q, kt, padded, D, blocks, scale, s + q); break;
+      case 3: score_vectors<3>(qp + q, kt, padded, D, blocks, scale, s + q); break;
+      case 2: score_vectors<2>(qp + q, kt, padded, D, blocks, scale, s + q); break;
+      default: score_vectors<1>(qp + q, kt, padded, D, blocks, scale, s + q); break;
+    }
+  }
+}
+
+// The weighted values of NR rows (their sequences nested: the shorter a prefix of the longer,
+// n[0] <= n[NR - 1]) for GB heads, divided by `total`: each (row, head, dimension) one chain of
+// FMAs over its own sequence in order, whatever rows and heads share the pass.
+template <int DC, int NR, int GB>
+inline void weigh_values(const View4& v, int64_t bi, int64_t hk, const int32_t* keys, const int64_t* n,
+                         const float* const* w, const __m512* total, float* const* out) {
+  __m512 acc[NR][GB][DC];
+  for (int r = 0; r < NR; ++r)
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < DC; ++c) acc[r][g][c] = _mm512_setzero_ps();
+  // Keys every row sees, then (two rows) the longer row's own: compile-time row loops, so the
+  // accumulators stay in registers.
+  auto step = [&](int64_t j, auto rows_from) {
+    constexpr int FIRST = decltype(rows_from)::value;
     const float* vp = v.at(bi, hk, keys[j]);
     __m512 vv[DC];
     for (int c = 0; c < DC; ++c) vv[c] = _mm512_loadu_ps(vp + c * LANES);
-    for (int g = 0; g < GB; ++g) {
-      const __m512 w = _mm512_set1_ps(weights[g * seq + j]);
-      for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < DC; ++c)
-      _mm512_storeu_ps(out + g * DC * LANES + c * LANES, n > 0 ? _mm512_div_ps(acc[g][c], total[g]) : _mm512_setzero_ps());
+    for (int r = FIRST; r < NR; ++r)
+      for (int g = 0; g < GB; ++g) {
+        const __m512 wj = _mm512_set1_ps(w[r * GB + g][j]);
+        for (int c = 0; c < DC; ++c) acc[r][g][c] = _mm512_fmadd_ps(wj, vv[c], acc[r][g][c]);
+      }
+  };
+  int64_t j = 0;
+  for (; j < n[0]; ++j) step(j, std::integral_constant<int, 0>{});
+  if constexpr (NR == 2)
+    for (; j < n[1]; ++j) step(j, std::integral_constant<int, 1>{});
+  for (int r = 0; r < NR; ++r)
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < DC; ++c)
+        _mm512_storeu_ps(out[r] + g * DC * LANES + c * LANES,
+                         n[r] > 0 ? _mm512_div_ps(acc[r][g][c], total[r * GB + g]) : _mm512_setzero_ps());
 }
 
-// One batch row, key head and query row: the `group` query heads that share the key head, over
-// the allowed keys `keys[0..n)` (indices into the cache, in order; each below `seen`). The
-// softmax sums and the weighted values run by place in that sequence, so padding keys and
-// the batch change nothing. DC: the head dimension in 16s.
-template <int DC>
-void attend_unit(const View4& q, const float* kt, int64_t padded, const View4& v, int64_t bi, int64_t hk, int64_t ri,
-                 int group, const int32_t* keys, int64_t n, int64_t seen, float scale, float* out,
-                 std::vector<float>& raw, std::vector<float>& weights) {
-  const int64_t D = DC * LANES, blocks = (seen + LANES - 1) / LANES, seq = (n + LANES - 1) / LANES * LANES;
-  raw.resize(blocks * LANES);
-  weights.assign(group * seq, 0.0f);
-  __m512 total[MAX_GROUP];
-  for (int g = 0; g < group; ++g) {
-    score_row(q.at(bi, hk * group + g, ri), kt, padded, D, blocks, scale, raw.data());
-    float* w = weights.data() + g * seq;
-    for (int64_t j = 0; j < n; ++j) w[j] = raw[keys[j]];
-    // The maximum is exact whatever the order; the padding past n is left out of it.
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < seq; j += LANES) {
-      const __mmask16 live = n - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-      m = _mm512_mask_max_ps(m, live, m, _mm512_loadu_ps(w + j));
-    }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-    // Weights exp(s - max), summed lane-wise by place in the sequence (padding adds exact zeros).
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < seq; j += LANES) {
-      const __mmask16 live = n - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(w + j), mx)));
-      _mm512_storeu_ps(w + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    total[g] = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+// Softmax weights of one (row, head) in place over its n compacted scores: the maximum (exact
+// whatever the order; the padding past n left out), exp(s - max), and their sum, lane-wise by
+// place in the sequence (padding adds exact zeros).
+inline __m512 softmax_weights(float* w, int64_t n) {
+  const int64_t seq = (n + LANES - 1) / LANES * LANES;
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < seq; j += LANES) {
+    const __mmask16 live = n - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    m = _mm512_mask_max_ps(m, live, m, _mm512_loadu_ps(w + j));
   }
-  // Weighted values, key by key in sequence order, then divided by the weights' sum; heads in
-  // fours, each (head, dimension) one chain of FMAs whatever the heads beside it.
-  for (int g = 0; g < group;) {
-    const int gb = std::min(4, group - g);
-    switch (gb) {
-      case 4: weigh_values<DC, 4>(v, bi, hk, keys, n, weights.data() + g * seq, seq, total + g, out + (hk * group + g) * D); break;
-      case 3: weigh_values<DC, 3>(v, bi, hk, keys, n, weights.data() + g * seq, seq, total + g, out + (hk * group + g) * D); break;
-      case 2: weigh_values<DC, 2>(v, bi, hk, keys, n, weights.data() + g * seq, seq, total + g, out + (hk * group + g) * D); break;
-      default: weigh_values<DC, 1>(v, bi, hk, keys, n, weights.data() + g * seq, seq, total + g, out + (hk * group + g) * D); break;
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seq; j += LANES) {
+    const __mmask16 live = n - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(w + j), mx)));
+    _mm512_storeu_ps(w + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+}
+
+struct Scratch {
+  std::vector<float> raw, weights;
+  std::vector<const float*> qp;
+  std::vector<float*> sp, wp;
+};
+
+// NR query rows (nested sequences, see weigh_values) of one batch row and key head: the `group`
+// query heads that share the key head, over the allowed keys `keys[0..n[r])` (indices into the
+// cache, in order). DC: the head dimension in 16s.
+template <int DC, int NR>
+void attend_rows_of(const View4& q, const float* kt, int64_t padded, const View4& v, int64_t bi, int64_t hk,
+                    const int64_t* rows, int group, const int32_t* keys, const int64_t* n, float scale,
+                    float* const* out, Scratch& s) {
+  const int64_t D = DC * LANES, seen = n[NR - 1] > 0 ? keys[n[NR - 1] - 1] + 1 : 0;
+  const int64_t blocks = (seen + LANES - 1) / LANES, seq = (n[NR - 1] + LANES - 1) / LANES * LANES;
+  const int nq = NR * group;
+  s.raw.resize(nq * blocks * LANES);
+  s.weights.assign(nq * seq, 0.0f);
+  s.qp.resize(nq);
+  s.sp.resize(nq);
+  s.wp.resize(nq);
+  for (int r = 0; r < NR; ++r)
+    for (int g = 0; g < group; ++g) {
+      s.qp[r * group + g] = q.at(bi, hk * group + g, rows[r]);
+      s.sp[r * group + g] = s.raw.data() + (r * group + g) * blocks * LANES;
+      s.wp[r * group + g] = s.weights.data() + (r * group + g) * seq;
     }
-    g += gb;
+  score_all(s.qp.data(), nq, kt, padded, D, blocks, scale, s.sp.data());
+  std::vector<__m512> total(nq);
+  for (int r = 0; r < NR; ++r)
+    for (int g = 0; g < group; ++g) {
+      const float* raw = s.sp[r * group + g];
+      float* w = s.wp[r * group + g];
+      for (int64_t j = 0; j < n[r]; ++j) w[j] = raw[keys[j]];
+      total[r * group + g] = softmax_weights(w, n[r]);
+    }
+  // Heads in chunks whose accumulators fit the registers (NR x GB x DC <= 24 where it can).
+  constexpr int GB = std::max(1, 24 / (NR * DC));
+  for (int g = 0; g < group; g += GB) {
+    const int gb = std::min(GB, group - g);
+    const float* w[NR * GB];
+    __m512 t[NR * GB];
+    float* o[NR];
+    for (int r = 0; r < NR; ++r) {
+      for (int i = 0; i < gb; ++i) {
+        w[r * gb + i] = s.wp[r * group + g + i];
+        t[r * gb + i] = total[r * group + g + i];
+      }
+      o[r] = out[r] + (hk * group + g) * D;
+    }
+    switch (gb) {
+#define CASE(K) case K: if constexpr (K <= GB) weigh_values<DC, NR, K>(v, bi, hk, keys, n, w, t, o); break;
+      CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
+#undef CASE
+      default: weigh_values<DC, NR, 1>(v, bi, hk, keys, n, w, t, o); break;
+    }
   }
 }
 
@@ -225,29 +292,51 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at:
         u += b1 - b0;
       }
     });
-    // Threads split whole (key head, query row) units, never a sum; a forward of a few rows
-    // over a few hundred keys stays on one thread.
-    const int64_t grain = std::max<int64_t>(1, 100000 / std::max<int64_t>(1, group * KV * D));
-    at::parallel_for(0, Hk * R, grain, [&](int64_t begin, int64_t end) {
-      std::vector<int32_t> keys(KV);
-      std::vector<float> raw, weights;
+    // Threads split whole (key head, pair of query rows) units, never a sum; a forward of a few
+    // rows over a few hundred keys stays on one thread.
+    const int64_t pairs = (R + 1) / 2;
+    const int64_t grain = std::max<int64_t>(1, 100000 / std::max<int64_t>(1, 2 * group * KV * D));
+    at::parallel_for(0, Hk * pairs, grain, [&](int64_t begin, int64_t end) {
+      std::vector<int32_t> keys(2 * KV);
+      Scratch scratch;
       for (int64_t u = begin; u < end; ++u) {
-        const int64_t hk = u / R, ri = u % R;
-        int64_t n = 0;
-        if (mp) {
-          const bool* row = mp + bi * mask_b + ri * KV;
-          for (int64_t j = 0; j < KV; ++j)
-            if (row[j]) keys[n++] = static_cast<int32_t>(j);
-        } else {
-          for (int64_t j = 0; j < KV; ++j) keys[n++] = static_cast<int32_t>(j);
+        const int64_t hk = u / pairs, r0 = 2 * (u % pairs), nr = std::min<int64_t>(2, R - r0);
+        int64_t n[2] = {0, 0};
+        for (int64_t i = 0; i < nr; ++i) {
+          int32_t* ks = keys.data() + i * KV;
+          if (mp) {
+            const bool* row = mp + bi * mask_b + (r0 + i) * KV;
+            for (int64_t j = 0; j < KV; ++j)
+              if (row[j]) ks[n[i]++] = static_cast<int32_t>(j);
+          } else {
+            for (int64_t j = 0; j < KV; ++j) ks[n[i]++] = static_cast<int32_t>(j);
+          }
         }
-        const int64_t seen = n > 0 ? keys[n - 1] + 1 : 0;
-        float* o = op + (bi * R + ri) * H * D;
+        // Two rows share a pass when one's keys are the start of the other's (causal rows);
+        // otherwise each takes its own. Either way each row's arithmetic is the same.
+        const int longer = nr == 2 && n[1] < n[0] ? 0 : nr - 1, shorter = 1 - longer;
+        const bool nested = nr == 2 && std::equal(keys.data() + shorter * KV, keys.data() + shorter * KV + n[shorter],
+                                                  keys.data() + longer * KV);
         const float* kh = kt.data() + hk * D * padded;
-        if (D == 64)
-          attend_unit<4>(q, kh, padded, v, bi, hk, ri, group, keys.data(), n, seen, sc, o, raw, weights);
-        else
-          attend_unit<8>(q, kh, padded, v, bi, hk, ri, group, keys.data(), n, seen, sc, o, raw, weights);
+        auto run = [&](const int64_t* rows, const int32_t* ks, const int64_t* counts, int count) {
+          float* o[2] = {op + (bi * R + rows[0]) * H * D, count == 2 ? op + (bi * R + rows[1]) * H * D : nullptr};
+          if (count == 2) {
+            if (D == 64) attend_rows_of<4, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
+            else attend_rows_of<8, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
+          } else {
+            if (D == 64) attend_rows_of<4, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
+            else attend_rows_of<8, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
+          }
+        };
+        if (nested) {
+          const int64_t rows[2] = {r0 + shorter, r0 + longer}, counts[2] = {n[shorter], n[longer]};
+          run(rows, keys.data() + longer * KV, counts, 2);
+        } else {
+          for (int64_t i = 0; i < nr; ++i) {
+            const int64_t rows[1] = {r0 + i}, counts[1] = {n[i]};
+            run(rows, keys.data() + i * KV, counts, 1);
+          }
+        }
       }
     });
   }
