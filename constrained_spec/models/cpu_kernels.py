@@ -45,17 +45,22 @@ def cpu_flags() -> set[str]:
     return set(_cpu_flags())
 
 
-@functools.lru_cache(maxsize=None)
 def build(source: str, needs: tuple[str, ...], extra_flags: tuple[str, ...] = (), warn: bool = True) -> bool:
     """Build (once per machine, source and flags) and load ``kernels/<source>``; False where this
     CPU lacks a flag of ``needs`` or the build fails (with a warning naming why when ``warn``)."""
+    why = _build(source, needs, extra_flags)
+    if why and warn:
+        warnings.warn(f"The {Path(source).stem} kernel {why}: torch's op runs instead.", stacklevel=3)
+    return not why
+
+
+@functools.lru_cache(maxsize=None)
+def _build(source: str, needs: tuple[str, ...], extra_flags: tuple[str, ...]) -> str:
+    """``build``'s work, once a process: "" once loaded, else why not."""
     path = KERNELS / source
     missing = [f for f in needs if f not in cpu_flags()]
     if missing:
-        if warn:
-            warnings.warn(f"The {path.stem} kernel needs {', '.join(missing)}, which this CPU lacks: torch's op runs "
-                          "instead.", stacklevel=3)
-        return False
+        return f"needs {', '.join(missing)}, which this CPU lacks"
     from torch.utils import cpp_extension
 
     flags = _BASE_FLAGS + list(extra_flags)
@@ -67,8 +72,5 @@ def build(source: str, needs: tuple[str, ...], extra_flags: tuple[str, ...] = ()
                            extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
                            verbose=False)
     except (OSError, RuntimeError, ImportError) as error:
-        if warn:
-            warnings.warn(f"The {path.stem} kernel did not build ({str(error).splitlines()[0][:200]}): torch's op "
-                          "runs instead.", stacklevel=3)
-        return False
-    return True
+        return f"did not build ({str(error).splitlines()[0][:200]})"
+    return ""

@@ -46,7 +46,7 @@ _CPU_FLAGS = cpu_kernels.AVX512 + ("avx512_vnni",)
 #: ``$CONSTRAINED_SPEC_INT4_KERNEL``'s values: torch's kernel, this one with activations split
 #: into two int8 parts, this one with llama.cpp's one int8 rounding.
 KERNELS = ("torch", "vnni", "vnni-int8")
-DEFAULT = "torch"
+DEFAULT = "vnni"
 
 
 def requested() -> str:
@@ -64,17 +64,18 @@ def cpu_supports() -> bool:
     return all(f in cpu_kernels.cpu_flags() for f in _CPU_FLAGS)
 
 
-def load_kernel() -> bool:
-    """Build (once per machine and source) and load the kernel; False, with a warning, where it
-    cannot be (no AVX-512 VNNI, no compiler or ninja)."""
-    return cpu_kernels.build("q4_1_vnni.cpp", _CPU_FLAGS, ("-mavx512vnni",))
+def load_kernel(warn: bool = True) -> bool:
+    """Build (once per machine and source) and load the kernel; False (with a warning when
+    ``warn``) where it cannot be (no AVX-512 VNNI, no compiler or ninja)."""
+    return cpu_kernels.build("q4_1_vnni.cpp", _CPU_FLAGS, ("-mavx512vnni",), warn)
 
 
 def kernel() -> str:
     """The kernel new native models take: the one asked for, or ``torch`` where this one does not
-    load (with a warning)."""
+    load (with a warning when it was asked for by name rather than by default)."""
     value = requested()
-    return value if value == "torch" or load_kernel() else "torch"
+    explicit = bool(os.environ.get(KERNEL_ENV, "").strip())
+    return value if value == "torch" or load_kernel(warn=explicit) else "torch"
 
 
 
