@@ -24,6 +24,13 @@ from tests.test_invariance import GPU, PATTERNS, VOCAB, smol_shaped
 MODES = [pytest.param("cpu", id="static-forward-cpu"), pytest.param("cuda", id="graphs-gpu", marks=GPU)]
 
 
+@pytest.fixture(autouse=True)
+def _graphs_attend_in_float64(float64_attention):
+    """A graphed forward attends in float64 over a float64 cache, as every GPU forward does; its
+    static forward on the CPU is checked on that path too (the CPU's row kernel and float32 cache
+    would otherwise take the forwards)."""
+
+
 def graphed_model(device: str, seed: int = 0, vocab: int = 512, init: float = 0.02, capacity: int | None = None):
     layers = 30 if device == "cuda" else 4
     model = make_batch_invariant(smol_shaped(vocab, seed=seed, layers=layers, init=init, device=device),

@@ -123,7 +123,7 @@ class BatchEngine:
         context = getattr(target.config, "max_position_embeddings", None) or 4096
         invariant = bool(getattr(target, "batch_invariant", False))
         self.cache = RowCache(target.config.num_hidden_layers, max_batch, context,
-                              dtype=cache_dtype(self.device) if invariant else None)
+                              dtype=cache_dtype(target.config, self.device) if invariant else None)
         self.prefix_cache = (prefix_cache_for(target) if prefix_cache is True else
                              prefix_cache if isinstance(prefix_cache, PrefixCache) else None)
         self.waiting: list[Request] = []

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..models.invariant import cache_dtype
+
 #: The parts a forward's time is split into, in the order they are reported.
 PARTS = ("output projection", "linears", "attention", "norms", "other")
 DEFAULT_KS = (1, 4, 12, 21)
@@ -129,9 +131,7 @@ def _kv_bytes(model: nn.Module, positions: int) -> int:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     # A batch-invariant model's cache may hold float64 copies (``models.invariant.cache_dtype``).
-    from ..models.invariant import cache_dtype
-
-    stored = cache_dtype(next(model.parameters()).device) if getattr(model, "batch_invariant", False) else None
+    stored = cache_dtype(c, next(model.parameters()).device) if getattr(model, "batch_invariant", False) else None
     dtype = stored or next(model.parameters()).dtype
     return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * positions * torch.finfo(dtype).bits // 8
 
@@ -148,9 +148,8 @@ def profile_forward(handle: Any, precision: str, ks: Sequence[int] = DEFAULT_KS,
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prompt = torch.randint(100, vocab, (1, context), generator=g, device=handle.device)
-    from ..models.invariant import cache_dtype
-
-    cache = growing_cache(model.config.num_hidden_layers, cache_dtype(torch.device(handle.device)) if invariant else None)  # the decoder's
+    stored = cache_dtype(model.config, torch.device(handle.device)) if invariant else None
+    cache = growing_cache(model.config.num_hidden_layers, stored)  # the decoder's
     extra = {"prompt_rows": context} if invariant else {}
     model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1, **extra)
     weights = _weight_bytes(model)

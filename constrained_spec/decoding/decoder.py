@@ -160,7 +160,7 @@ class SpeculativeDecoder:
         # A batch-invariant model attends in float64 unless the attention kernel reads its float32
         # keys: the cache keeps what attention reads, so a step converts its new tokens only.
         self.cache = growing_cache(target.config.num_hidden_layers,
-                                   cache_dtype(self.device) if self._batch_invariant else None)
+                                   cache_dtype(target.config, self.device) if self._batch_invariant else None)
         self.last = self.prompt_ids[-1]
         self._single: dict[State, bool] = {}
         #: Per state, the ids its logits are computed over (``decoding.logits``); None: all.

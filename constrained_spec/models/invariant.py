@@ -237,11 +237,15 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
 
 
-def cache_dtype(device: torch.device) -> torch.dtype | None:
+def cache_dtype(config: Any, device: torch.device) -> torch.dtype | None:
     """The dtype a batch-invariant model's KV cache should keep: None (the keys' own) where new rows
-    attend with ``models.attention_kernel``, which reads float32; else float64, exact copies of
-    the float32 keys that the float64 path reads without converting the cache each layer."""
-    return None if device.type == "cpu" and attention_kernel.enabled() else torch.float64
+    attend with ``models.attention_kernel`` (on the CPU, for the shapes of ``config``), which
+    reads float32; else float64, exact copies of the float32 keys that the float64 path reads
+    without converting the cache each layer."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return None if device.type == "cpu" and attention_kernel.fits(heads, kv_heads, head_dim) else torch.float64
 
 
 def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
