@@ -280,18 +280,25 @@ def _check_batch_invariance(native_and_tokens) -> None:
 
 @pytest.mark.slow
 @torch.no_grad()
+@pytest.mark.parametrize("layer_ops", ["kernels", "torch"])
 @pytest.mark.parametrize("long_context", [None, "inside the prompt"])
 @pytest.mark.parametrize("scripted", [True, False])
 def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_tokens, long_context, scripted,
-                                                                      monkeypatch):
+                                                                      layer_ops, monkeypatch):
     """The flat decode and verify forward (``models.native_decode``) gives transformers' forward's
     bits: the final hidden states, every layer's hidden states and the cache it fills, for 1 to 21
     new rows after a prompt; forwards it does not cover (prompt rows) take transformers' path.
     Also with ``LONG_CONTEXT`` moved into the prompt (float32 blocks, a float32 cache). Both ways
     the flat forward runs its layers: the TorchScript stack (before ``LONG_CONTEXT``, or at any
-    length with the attention kernel; checked that it ran) and the Python loop."""
+    length with the attention kernel; checked that it ran) and the Python loop. With the layer
+    kernels (``models.layer_kernels``) and with torch's ops in their place."""
     from constrained_spec.decoding.growing_cache import growing_cache
-    from constrained_spec.models import attention_kernel, invariant, native_decode
+    from constrained_spec.models import attention_kernel, invariant, layer_kernels, native_decode
+
+    if layer_ops == "torch":
+        monkeypatch.setattr(layer_kernels, "usable", lambda x: False)
+    elif not layer_kernels.enabled():
+        pytest.skip("the layer kernels do not build here")
 
     if long_context:
         monkeypatch.setattr(invariant, "LONG_CONTEXT", len(native_and_tokens[1]) // 2)

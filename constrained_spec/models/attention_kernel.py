@@ -28,7 +28,6 @@ takes it silently). The choice is made once per process, so every forward of a m
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -42,10 +41,7 @@ _MAX_GROUP = 16
 def requested() -> bool:
     """Whether ``$CONSTRAINED_SPEC_ATTENTION_KERNEL`` leaves the kernel on (``on``, the default, or
     ``off``); other values are refused with the ones it takes."""
-    value = os.environ.get(KERNEL_ENV, "").strip().lower()
-    if value not in ("", "on", "off"):
-        raise ValueError(f"Invalid {KERNEL_ENV}={value!r}: use 'on' (the default) or 'off'.")
-    return value != "off"
+    return cpu_kernels.switched_on(KERNEL_ENV)
 
 
 @functools.lru_cache(maxsize=1)

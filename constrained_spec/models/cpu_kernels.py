@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import warnings
 from pathlib import Path
 
@@ -36,6 +37,19 @@ _LIBRARY = torch.library.Library("constrained_spec", "DEF")
 _LIBRARY.define("q4_1_mm(Tensor x, Tensor packed, Tensor scales, bool split) -> Tensor")
 _LIBRARY.define("q8_0_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor")
 _LIBRARY.define("attend_rows(Tensor query, Tensor key, Tensor value, Tensor? allowed, float scale) -> Tensor")
+_LIBRARY.define("row_variance(Tensor x) -> Tensor")
+_LIBRARY.define("add_rms_norm(Tensor x, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)")
+_LIBRARY.define("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int past, "
+                "int q_heads, int head_dim) -> Tensor")
+
+
+def switched_on(env: str) -> bool:
+    """Whether the on/off variable ``env`` leaves its kernel on (``on``, the default, or ``off``);
+    another value is refused with the ones it takes."""
+    value = os.environ.get(env, "").strip().lower()
+    if value not in ("", "on", "off"):
+        raise ValueError(f"Invalid {env}={value!r}: use 'on' (the default) or 'off'.")
+    return value != "off"
 
 
 def cpu_flags() -> set[str]:

@@ -11,9 +11,11 @@ What varies with the number of rows in a forward, and what is done about it:
   each output element with the same reduction order whichever row it sits in. Padding costs
   nothing there: a forward of a small model is bound by reading the weights, not by rows;
 - RMSNorm: the mean of squares is a reduction whose CPU strategy depends on the row count;
-  here it is summed in float64 and rounded to float32;
-- attention over the new rows: computed in float64 and rounded to float32.
-  In both, a different reduction order changes the float64 result by ~1e-16 relative, which
+  here it is summed in float64 and rounded to float32 (on a CPU with AVX-512, by
+  ``models.layer_kernels`` in one fixed order: exactly invariant);
+- attention over the new rows: computed in float64 and rounded to float32 (on a CPU with
+  AVX-512, by ``models.attention_kernel`` in float32, row by row: exactly invariant).
+  In both torch paths, a different reduction order changes the float64 result by ~1e-16 relative, which
   the rounding to float32 removes unless the value lies that close to a float32 rounding
   boundary (odds ~1e-8 per value). A fixed tree of elementwise adds would be invariant with
   no odds at all, but cost 10x the reduction here (3 ms per forward in the norms alone);
@@ -42,7 +44,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import attention_kernel
+from . import attention_kernel, layer_kernels
 
 IMPLEMENTATION = "constrained_spec_invariant"
 #: Rows per matmul call of a ``BucketedLinear``: a verify pass holds the last token and at most
@@ -178,7 +180,10 @@ class BucketedLinear(nn.Module):
 
 def float64_variance(x: torch.Tensor) -> torch.Tensor:
     """The mean of squares of float32 rows ``x`` over the last dimension, summed in float64 and
-    rounded to float32 (batch-invariant, see the module docstring)."""
+    rounded to float32 (batch-invariant, see the module docstring); on the CPU, one call of
+    ``models.layer_kernels``'s fixed-order sum where it is built."""
+    if layer_kernels.usable(x):
+        return layer_kernels.row_variance(x)
     return (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32)
 
 

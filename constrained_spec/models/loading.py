@@ -224,6 +224,7 @@ def load_model(
     Loaded handles are memoized by (name, precision, device), so repeated calls are free. Nothing
     is downloaded when ``HF_HUB_OFFLINE=1``; a hub id works only where the hub is reachable.
     """
+    _check_kernel_switches()
     if precision is None and dtype is None and name_or_path is None and (device is None or torch.device(device).type == "cpu"):
         precision = DEFAULT_PRECISION
     if precision is not None:
@@ -273,6 +274,18 @@ def load_model(
     warm_up(handle)
     _LOADED[key] = handle
     return handle
+
+
+def _check_kernel_switches() -> None:
+    """Refuse a bad on/off value of the CPU kernels' variables at load, named, rather than at the
+    first forward (where the kernels are chosen)."""
+    from . import attention_kernel, cpu_kernels, layer_kernels
+
+    try:
+        for env in (attention_kernel.KERNEL_ENV, layer_kernels.KERNEL_ENV):
+            cpu_kernels.switched_on(env)
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def _make_invariant(model: Any) -> None:

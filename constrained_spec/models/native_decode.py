@@ -44,7 +44,7 @@ import torch
 from torch.nn import functional as F
 
 from .int4 import GROUP, Int4Linear, Int4Part
-from . import attention_kernel, invariant
+from . import attention_kernel, invariant, layer_kernels
 from . import cpu_kernels  # noqa: F401  (defines the ops the scripted stack names)
 from .invariant import _allowed, attend_new_rows, float64_variance
 
@@ -82,7 +82,8 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
                     o: List[torch.Tensor], o_sz: List[torch.Tensor], norm2: List[torch.Tensor], eps2: List[float],
                     gate_up: List[torch.Tensor], gate_up_sz: List[torch.Tensor], down: List[torch.Tensor],
                     down_sz: List[torch.Tensor], q_heads: int, qk_width: int, head_dim: int, inter: int, scale: float,
-                    gqa: bool, group: int, vnni: bool, split: bool, row_kernel: bool) -> List[torch.Tensor]:
+                    gqa: bool, group: int, vnni: bool, split: bool, row_kernel: bool,
+                    layer_ops: bool) -> List[torch.Tensor]:
     """``NativeDecode.run``'s layer loop, op for op (the same ops on the same dtypes in the same
     order: ``_norm``, ``_rotate``, the cache write of ``GrowingLayer.update``, the float64
     attention of ``attend_new_rows`` below ``LONG_CONTEXT``, or with ``row_kernel`` the
@@ -90,34 +91,54 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
     TorchScript: ``x`` ``[n, d]`` after the embeddings; each layer's new keys and values are
     written into ``keys[i]`` / ``values[i]`` at ``past``. Returns the last layer's output, or
     with ``hidden`` every layer's. With ``vnni`` the weight lists hold ``models.q4_vnni``'s
-    layout (``_int4_mm``, ``split`` its activations' two parts)."""
+    layout (``_int4_mm``, ``split`` its activations' two parts). With ``layer_ops``,
+    ``models.layer_kernels`` does the small ops, the same bits as the ops it replaces: each
+    residual add and the norm after it are one ``add_rms_norm``, and where q/k/v and the caches
+    are float32 the rotary embedding and the cache write one ``rope_store``."""
     n = x.shape[0]
     d = x.shape[1]
     out: List[torch.Tensor] = []
+    delta: Optional[torch.Tensor] = None  # the last layer's MLP output, added before this layer's norm
     for i in range(len(norm1)):
-        var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
-        h = norm1[i] * (x * torch.rsqrt(var + eps1[i]))
+        if layer_ops:
+            x, h = torch.ops.constrained_spec.add_rms_norm(x, delta, norm1[i], eps1[i])
+        else:
+            if delta is not None:
+                x = x + delta
+            var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
+            h = norm1[i] * (x * torch.rsqrt(var + eps1[i]))
+        if hidden and i > 0:
+            out.append(x)
         qkv_out = _int4_mm(h, qkv[i], qkv_sz[i], group, vnni, split)
-        xq = qkv_out[:, :qk_width].view(1, n, -1, head_dim).transpose(1, 2)
-        qk = xq * cos + xq.roll(head_dim // 2, -1) * sin
-        keys[i][:, :, past : past + n] = qk[:, q_heads:]
-        values[i][:, :, past : past + n] = qkv_out[:, qk_width:].view(1, n, -1, head_dim).transpose(1, 2).float()
+        if layer_ops and vnni and keys[i].dtype == torch.float32:  # float32 q/k/v and caches: one call
+            q = torch.ops.constrained_spec.rope_store(qkv_out, cos, sin, keys[i], values[i], past, q_heads,
+                                                      head_dim).transpose(1, 2)
+        else:
+            xq = qkv_out[:, :qk_width].view(1, n, -1, head_dim).transpose(1, 2)
+            qk = xq * cos + xq.roll(head_dim // 2, -1) * sin
+            keys[i][:, :, past : past + n] = qk[:, q_heads:]
+            values[i][:, :, past : past + n] = qkv_out[:, qk_width:].view(1, n, -1, head_dim).transpose(1, 2).float()
+            q = qk[:, :q_heads]
         if row_kernel:  # [1, n, heads, dim]
-            a = torch.ops.constrained_spec.attend_rows(qk[:, :q_heads], keys[i][:, :, : past + n].float(),
+            a = torch.ops.constrained_spec.attend_rows(q, keys[i][:, :, : past + n].float(),
                                                        values[i][:, :, : past + n].float(), mask, scale)
         else:
             a = torch.nn.functional.scaled_dot_product_attention(
-                qk[:, :q_heads].double(), keys[i][:, :, : past + n].double(), values[i][:, :, : past + n].double(),
+                q.double(), keys[i][:, :, : past + n].double(), values[i][:, :, : past + n].double(),
                 attn_mask=mask, scale=scale, enable_gqa=gqa).float().transpose(1, 2)
-        x = x + _int4_mm(a.reshape(n, -1), o[i], o_sz[i], group, vnni, split)
-        var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
-        h = norm2[i] * (x * torch.rsqrt(var + eps2[i]))
+        # A bfloat16 kernel output is made float32 before the add: exact, the bits of the promoting add.
+        attended = _int4_mm(a.reshape(n, -1), o[i], o_sz[i], group, vnni, split).float()
+        if layer_ops:
+            x, h = torch.ops.constrained_spec.add_rms_norm(x, attended, norm2[i], eps2[i])
+        else:
+            x = x + attended
+            var = (x.double().square().sum(-1, keepdim=True) / d).to(torch.float32)
+            h = norm2[i] * (x * torch.rsqrt(var + eps2[i]))
         gu = _int4_mm(h, gate_up[i], gate_up_sz[i], group, vnni, split).to(torch.float32)
-        x = x + _int4_mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], down_sz[i], group, vnni, split)
-        if hidden:
-            out.append(x)
-    if not hidden:
-        out.append(x)
+        delta = _int4_mm(F.silu(gu[:, :inter]) * gu[:, inter:], down[i], down_sz[i], group, vnni, split).float()
+    if delta is not None:
+        x = x + delta
+    out.append(x)
     return out
 
 
@@ -228,7 +249,7 @@ class NativeDecode:
                 mask = mask[0]
             with torch.jit.optimized_execution(False):
                 outs = stack(x[0], cos, sin, mask, [r[0] for r in rooms], [r[1] for r in rooms], past, hidden,
-                             **self._weights)
+                             layer_ops=layer_kernels.usable(x), **self._weights)
             for layer in cache.layers:
                 layer.advance(n)
             out = _norm(base.norm, outs[-1])[None]
