@@ -105,3 +105,25 @@ def test_bad_inputs_are_refused_by_name(monkeypatch):
         q4_vnni.requested()
     with pytest.raises(ModelLoadError, match="CONSTRAINED_SPEC_INT4_KERNEL='fast'"):
         load_model(precision="native")
+
+
+def test_a_vnni_layer_holds_no_torch_layout_and_loads_none_from_an_older_cache(tmp_path):
+    """The VNNI layout alone is kept (the embedded model: 66 MB fewer); a cache file written with
+    both layouts loads the VNNI one only, with the same outputs; a layer with neither is refused."""
+    from constrained_spec.models.native import load_int4, save_int4
+
+    n, k = 64, 96
+    raw = random_q4_1(n, k, seed=12)
+    layer = Int4Linear.from_q4_1(raw, (n, k), vnni=True)
+    assert layer.packed is None and layer.scales_and_zeros is None
+    stock = Int4Linear.from_q4_1(raw, (n, k))
+    both = Int4Linear(stock.packed.clone(), stock.scales_and_zeros.clone(), k, n,
+                      vnni=(layer.vnni_packed, layer.vnni_scales))
+    save_int4({"a": both, "b": stock}, tmp_path / "old.safetensors")
+    loaded = load_int4(tmp_path / "old.safetensors")
+    assert loaded["a"].packed is None and loaded["a"].vnni_packed is not None
+    assert loaded["b"].packed is not None and loaded["b"].vnni_packed is None
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(loaded["a"](x), layer(x)) and torch.equal(loaded["b"](x), stock(x))
+    with pytest.raises(ValueError, match="needs its weights"):
+        Int4Linear(None, None, k, n)

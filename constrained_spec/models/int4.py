@@ -113,13 +113,17 @@ class Int4Linear(nn.Module):
     ``models.invariant.RowSplit``) and ``prompt_dtype`` (``prompt_matmul_dtype()`` unless set):
     the dense path of prompt rows (see the module docstring). ``vnni``: the same weights in
     ``models.q4_vnni``'s layout (``pack``), which then computes every kernel row instead, with
-    activations split into two int8 parts (``vnni_split``, about 15 bits) or rounded to one.
+    activations split into two int8 parts (``vnni_split``, about 15 bits) or rounded to one; such
+    a layer needs no torch layout (``packed`` and ``scales_and_zeros`` None: 66 MB fewer for the
+    embedded model).
     """
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int,
+    def __init__(self, packed: torch.Tensor | None, scales_and_zeros: torch.Tensor | None, in_features: int,
                  out_features: int, prompt_weight: torch.Tensor | None = None,
                  vnni: tuple[torch.Tensor, torch.Tensor] | None = None, vnni_split: bool = True) -> None:
         super().__init__()
+        if vnni is None and (packed is None or scales_and_zeros is None):
+            raise ValueError("An Int4Linear needs its weights in torch's layout, in the VNNI one, or both.")
         self.vnni_split = vnni_split
         self.in_features = in_features
         self.out_features = out_features
@@ -137,16 +141,17 @@ class Int4Linear(nn.Module):
     def from_q4_1(raw: np.ndarray, shape: tuple[int, int], row_order: np.ndarray | None = None,
                    vnni: bool = False, vnni_split: bool = True) -> "Int4Linear":
         """Pack a Q4_1 tensor's raw bytes; ``row_order`` permutes output rows (q/k projections);
-        ``vnni``: for ``models.q4_vnni``'s kernel too (``vnni_split``: its activations' two parts)."""
+        ``vnni``: for ``models.q4_vnni``'s kernel instead (``vnni_split``: its activations' two parts)."""
         q, d, m = unpack_q4_1(raw, shape)
         if row_order is not None:
             q, d, m = q[row_order], d[row_order], m[row_order]
-        vnni_weights = q4_vnni.pack(q, d, m) if vnni else None
+        if vnni:
+            return Int4Linear(None, None, in_features=shape[1], out_features=shape[0], vnni=q4_vnni.pack(q, d, m),
+                              vnni_split=vnni_split)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         d32, m32 = d.astype(np.float32), m.astype(np.float32)
         sz = torch.from_numpy(np.stack([d32.T, (m32 + 8 * d32).T], axis=-1).copy()).to(torch.bfloat16)
-        return Int4Linear(packed, sz, in_features=shape[1], out_features=shape[0], vnni=vnni_weights,
-                          vnni_split=vnni_split)
+        return Int4Linear(packed, sz, in_features=shape[1], out_features=shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
@@ -207,8 +212,9 @@ class FusedInt4:
         vnni = None
         if all(m.vnni_packed is not None for m in layers):  # whole 32-column blocks: they concatenate too
             vnni = (torch.cat([m.vnni_packed for m in layers]), torch.cat([m.vnni_scales for m in layers]))
-        self.layer = Int4Linear(torch.cat([m.packed for m in layers]),
-                                torch.cat([m.scales_and_zeros for m in layers], dim=1),
+        torch_layout = all(m.packed is not None for m in layers)
+        self.layer = Int4Linear(torch.cat([m.packed for m in layers]) if torch_layout else None,
+                                torch.cat([m.scales_and_zeros for m in layers], dim=1) if torch_layout else None,
                                 in_features=layers[0].in_features, out_features=sum(m.out_features for m in layers),
                                 prompt_weight=torch.cat(dense) if all(w is not None for w in dense) else None, vnni=vnni,
                                 vnni_split=layers[0].vnni_split)

@@ -35,7 +35,7 @@ def _hf_row_order(rows: int, heads: int) -> np.ndarray:
 
 def q4_1_linears(gguf_path: Path | str, config: Any, vnni: bool = False, vnni_split: bool = True) -> dict[str, Int4Linear]:
     """``Int4Linear`` modules for every Q4_1 linear layer of a llama-family GGUF, by module name
-    (``vnni``: with ``models.q4_vnni``'s layout too, ``vnni_split`` its activations' two parts)."""
+    (``vnni``: in ``models.q4_vnni``'s layout instead of torch's, ``vnni_split`` its activations' two parts)."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -94,13 +94,14 @@ def fuse_projections(model: Any) -> Any:
 
 
 def save_int4(linears: dict[str, Int4Linear], path: Path) -> None:
-    """Cache packed weights as safetensors (two tensors per layer)."""
+    """Cache packed weights as safetensors (each layer's shape and its layouts: torch's, VNNI's)."""
     from safetensors.torch import save_file
 
     state = {}
     for name, m in linears.items():
-        state[f"{name}.packed"] = m.packed.contiguous()
-        state[f"{name}.scales_and_zeros"] = m.scales_and_zeros.contiguous()
+        if m.packed is not None:
+            state[f"{name}.packed"] = m.packed.contiguous()
+            state[f"{name}.scales_and_zeros"] = m.scales_and_zeros.contiguous()
         state[f"{name}.shape"] = torch.tensor([m.out_features, m.in_features])
         if m.vnni_packed is not None:
             state[f"{name}.vnni_packed"] = m.vnni_packed.contiguous()
@@ -111,11 +112,15 @@ def save_int4(linears: dict[str, Int4Linear], path: Path) -> None:
 def load_int4(path: Path, vnni_split: bool = True) -> dict[str, Int4Linear]:
     """The modules cached by ``save_int4`` (``vnni_split``: how layers with the VNNI layout round
     their activations, ``models.q4_vnni``)."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    state = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        # A layer with the VNNI layout never reads torch's (an older cache file holds both).
+        state = {k: f.get_tensor(k) for k in keys
+                 if not (k.endswith((".packed", ".scales_and_zeros")) and f"{k.rsplit('.', 1)[0]}.vnni_packed" in keys)}
     names = {k.rsplit(".", 1)[0] for k in state}
-    return {name: Int4Linear(state[f"{name}.packed"], state[f"{name}.scales_and_zeros"],
+    return {name: Int4Linear(state.get(f"{name}.packed"), state.get(f"{name}.scales_and_zeros"),
                              in_features=int(state[f"{name}.shape"][1]), out_features=int(state[f"{name}.shape"][0]),
                              vnni=(state[f"{name}.vnni_packed"], state[f"{name}.vnni_scales"])
                              if f"{name}.vnni_packed" in state else None, vnni_split=vnni_split)
