@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached), and
     its Q8_0 output projection on the VNNI kernel or two int4 calls ("native") or as the exact
     float32 matrix ("native-exact"; see ``models.q8_output``)."""
-    from . import q4_vnni, q8_output
+    from . import attention_kernel, layer_kernels, q4_vnni, q8_output
     from .invariant import make_batch_invariant
     from .native import fuse_projections, install_int4, install_q8_output, load_int4, q4_1_linears, save_int4
     from .native_decode import install_native_decode
@@ -134,10 +135,16 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
                              "(name_or_path=None); load other checkpoints with precision='bfloat16' or 'float32'.")
     if device is not None and torch.device(device).type != "cpu":
         raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
-    # The kernels are fixed at load: a model's rows must all take one (invariance).
+    # The kernels are fixed at load: a model's rows must all take one (invariance). The first
+    # load on a machine builds them, side by side: about 19 s on two cores where one after
+    # another took 28 (the compiler runs in subprocesses).
     try:
-        linears = q4_vnni.kernel()
-        output = q8_output.kernel() if precision == "native" else "exact"
+        with ThreadPoolExecutor(4) as pool:
+            for enabled in (attention_kernel.enabled, layer_kernels.enabled):  # the forwards ask them later
+                pool.submit(enabled)
+            linears_job = pool.submit(q4_vnni.kernel)
+            output = pool.submit(q8_output.kernel).result() if precision == "native" else "exact"
+            linears = linears_job.result()
     except ValueError as error:  # a bad $CONSTRAINED_SPEC_*_KERNEL, named in the message
         raise ModelLoadError(str(error)) from None
     vnni, split = linears != "torch", linears == "vnni"
