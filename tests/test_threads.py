@@ -133,3 +133,17 @@ def test_native_forwards_give_the_same_bits_at_any_thread_count(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(many, one))
+
+
+def test_loading_a_model_takes_the_governors_first_sample(monkeypatch):
+    """``warm_up`` (the end of every load) samples the load, so the first request's first update
+    measures an interval instead of running its first one at the most threads."""
+    from constrained_spec import load_model
+    from constrained_spec.models.loading import warm_up
+
+    handle = load_model(precision="native")
+    samples: list[float] = []
+    governor = ThreadGovernor(2, busy=lambda: samples.append(1.0) or 10.0, own=lambda: 1.0, set_threads=lambda n: None)
+    monkeypatch.setattr(threads, "_GOVERNOR", governor)
+    warm_up(handle)
+    assert samples == [1.0] and governor._last is not None

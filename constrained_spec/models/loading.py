@@ -320,11 +320,18 @@ def _make_invariant(model: Any) -> None:
 @torch.no_grad()
 def warm_up(handle: ModelHandle) -> None:
     """One short forward right after loading, so the first request (and a draft model's first
-    proposal) does not pay for lazy allocations and kernel selection (~0.1-0.3 s here)."""
+    proposal) does not pay for lazy allocations and kernel selection (~0.1-0.3 s here); and the
+    thread governor's first sample."""
     from transformers import DynamicCache
+
+    from .threads import thread_governor
 
     ids = torch.tensor([[handle.tokenizer.eos_token_id or 0] * 4], device=handle.device)
     handle.model(input_ids=ids, cache=DynamicCache(config=handle.model.config), use_cache=True, logits_to_keep=1)
+    # The thread governor's first sample of the load (models.threads): the first request's first
+    # update then has an interval to measure, rather than running its first 0.25 s at the most
+    # threads whatever the neighbours do.
+    thread_governor().update()
 
 
 def resolve_model(spec: Any, *, role: str = "model") -> ModelHandle:
