@@ -15,9 +15,9 @@ What varies with the number of rows in a forward, and what is done about it:
   ``models.layer_kernels`` in one fixed order: exactly invariant);
 - attention over the new rows: computed in float64 and rounded to float32 (on a CPU with
   AVX-512, by ``models.attention_kernel`` in float32, row by row: exactly invariant).
-  In both torch paths, a different reduction order changes the float64 result by ~1e-16 relative, which
-  the rounding to float32 removes unless the value lies that close to a float32 rounding
-  boundary (odds ~1e-8 per value). A fixed tree of elementwise adds would be invariant with
+  In both torch paths, a different reduction order changes the float64 result by ~1e-16
+  relative, which the rounding to float32 removes unless the value lies that close to a float32
+  rounding boundary (odds ~1e-8 per value). A fixed tree of elementwise adds would be invariant with
   no odds at all, but cost 10x the reduction here (3 ms per forward in the norms alone);
 - the prompt rows of the first pass (``prompt_rows=``) keep the stock kernels (attention over
   their own keys, a plain matmul; at native precision a float32 matmul over the stored

@@ -21,7 +21,7 @@ forward. Every CPU path of a batch-invariant model takes ``row_variance`` for it
 (``invariant.float64_variance``), so every path of a process computes the same bits.
 
 Measured on a 2-core AMD EPYC (the decoder after a 300-token prompt, median of 25, alternated
-in one process, off / on): 1 token 7.97 / 7.08 ms with the norms alone.
+in one process, off / on): 1 token 7.80 / 6.28 ms, 4 tokens 10.36 / 8.58, 21 tokens 31.15 / 28.28.
 
 On by default wherever it builds (AVX-512 and a compiler, ``models.cpu_kernels``);
 ``CONSTRAINED_SPEC_LAYER_KERNELS=off`` keeps torch's ops. The choice is made once per process.
