@@ -328,7 +328,7 @@ def generate_json(
 def validate_json_output(text: str, schema: dict | JsonSchema, model_cls: type | None = None) -> Any:
     """Parse and validate generated JSON against the original schema (and the pydantic class);
     never returns an invalid value: raises ``OutputValidationError`` instead."""
-    import jsonschema
+    from .constraint.validator import output_validator
 
     if isinstance(schema, JsonSchema):
         schema, model_cls = schema.schema, model_cls or schema.model_cls
@@ -336,7 +336,7 @@ def validate_json_output(text: str, schema: dict | JsonSchema, model_cls: type |
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise OutputValidationError(text, f"not JSON ({e})") from None
-    errors = sorted(jsonschema.validators.validator_for(schema)(schema).iter_errors(value), key=lambda e: list(e.path))
+    errors = sorted(output_validator(schema).iter_errors(value), key=lambda e: list(e.path))
     if errors:
         where = "/" + "/".join(str(p) for p in errors[0].absolute_path)
         raise OutputValidationError(text, f"at {where}: {errors[0].message}")

@@ -8,27 +8,34 @@ class ConstrainedSpecError(Exception):
 
 
 class InvalidSchemaError(ConstrainedSpecError, ValueError):
-    """The JSON schema is not a valid schema, or could not be read."""
+    """The schema is refused: it is not a valid JSON schema, could not be read, is over a limit,
+    or no value satisfies it. Every refusal of a schema is one (``UnsupportedSchemaFeatureError``
+    for a valid schema the backend cannot enforce), and its message says which it is and what
+    ``lenient=True`` would do."""
 
 
-class UnsupportedSchemaFeatureError(ConstrainedSpecError, ValueError):
-    """The schema uses a keyword the constraint backend cannot enforce.
+class UnsupportedSchemaFeatureError(InvalidSchemaError):
+    """The schema is valid, but uses a keyword the constraint backend cannot enforce.
 
     Attributes:
         keyword: the JSON Schema keyword, e.g. ``"uniqueItems"``.
         path: JSON pointer to the sub-schema holding it, e.g. ``"/properties/tags"``.
     """
 
-    def __init__(self, keyword: str, path: str, detail: str = "") -> None:
+    #: What the message says of ``lenient=True`` when the caller does not say more.
+    NOT_RELAXED = "lenient=True does not relax it on this backend: remove the keyword or check it after generation."
+
+    def __init__(self, keyword: str, path: str, detail: str = "", *, lenient: str = NOT_RELAXED) -> None:
         self.keyword = keyword
         self.path = path or "/"
         msg = (
-            f"Unsupported schema feature: keyword {keyword!r} at {self.path} cannot be enforced "
-            "by the constraint, so outputs could violate it."
+            f"Unsupported schema feature: the schema is valid, but keyword {keyword!r} at {self.path} cannot be "
+            "enforced by the constraint, so outputs could violate it."
         )
         if detail:
             msg += f" {detail}"
-        msg += " Remove the keyword or enforce it after generation."
+        if lenient:
+            msg += f" {lenient}"
         super().__init__(msg)
 
 

@@ -55,7 +55,7 @@ def _scalar_forms(value: Any) -> list[bytes]:
     elif isinstance(value, float):
         forms = [json.dumps(value)]
         if value == value and value not in (float("inf"), float("-inf")):
-            if value.is_integer() and abs(value) < 2**53:
+            if value.is_integer():  # the same number: any integral float has an exact integer spelling
                 forms.append(str(int(value)))
             forms.append(format(Decimal(repr(value)), "f"))
     else:  # int, bool, None

@@ -267,6 +267,7 @@ _REFUSALS = (
     (re.compile(r"Unknown format"), "format"),
     (re.compile(r"patternPropert"), "patternProperties"),
     (re.compile(r"min/maxProperties"), "minProperties"),
+    (re.compile(r"Value for '([A-Za-z]+)' has too many digits"), None),
 )
 
 
@@ -290,27 +291,89 @@ def json_options(whitespace: str, lenient: bool) -> dict[str, Any]:
 
 
 def _compile_grammar(grammar: str, lltok: Any, vocab: TokenVocabulary, kind: str, pattern: str, *,
-                     schema: Any = None) -> GuidanceCompiled:
+                     schema: Any = None, relaxed: bool = False) -> GuidanceCompiled:
     """Validate ``grammar`` (naming a refused keyword) and check that some output is possible."""
     from llguidance import LLMatcher
 
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok, limits=parser_limits())
     if is_error:
         msg = messages[0] if messages else "unknown error"
-        keyword = _refused_keyword(msg)
-        if keyword is not None and kind == "json":
-            raise UnsupportedSchemaFeatureError(keyword, keyword_path(schema, keyword) or "",
-                                                f"llguidance (strict mode): {msg.splitlines()[0]}. lenient=True relaxes it.")
         if kind == "regex":
             raise InvalidRegexError(f"Invalid regex {pattern[:200]!r}: llguidance says {msg}")
-        raise InvalidSchemaError(f"Invalid schema: llguidance says {msg}")
+        raise _schema_refusal(msg, schema, relaxed)
     compiled = GuidanceCompiled(grammar, lltok, vocab, kind, pattern, messages)
     probe = compiled.matcher()
     if not probe.is_final(probe.initial_state) and not _can_start(probe):
-        what = f"regex {pattern[:200]!r}" if kind == "regex" else "schema"
-        error = InvalidRegexError if kind == "regex" else InvalidSchemaError
-        raise error(f"Invalid {what}: it matches nothing (no token can start a valid output).")
+        if kind == "regex":
+            raise InvalidRegexError(f"Invalid regex {pattern[:200]!r}: it matches nothing (no token can start a "
+                                    "valid output).")
+        raise InvalidSchemaError("Unsatisfiable schema: no token of this vocabulary can start a valid output, so "
+                                 "nothing can be generated (lenient=True does not change that).")
     return compiled
+
+
+def _schema_refusal(msg: str, schema: Any, relaxed: bool) -> InvalidSchemaError:
+    """The error for llguidance's refusal ``msg`` of ``schema``: a valid schema's unsupported
+    keyword, a schema no value satisfies, or an invalid one; each says what lenient mode does."""
+    first = msg.splitlines()[0]
+    mode = "lenient" if relaxed else "strict"
+    if "Unsatisfiable schema" in msg:
+        return InvalidSchemaError(f"Unsatisfiable schema: it is valid, but no value satisfies it (llguidance: {first}), "
+                                  "so nothing can be generated (lenient=True does not change that).")
+    if _REMOTE.search(msg):
+        where = _remote_reference(schema)
+        return UnsupportedSchemaFeatureError(
+            where[0], where[1], f"It refers to a schema by a remote address, which is never fetched ({first}); put "
+            "the referenced schema under $defs and refer to it as '#/$defs/...'.", lenient="lenient=True does not change that.")
+    bound = _RANGE.search(msg)
+    if bound:
+        keyword, path = _bound_at(schema, {float(v) for v in _SOME.findall(bound.group(0))})
+        return UnsupportedSchemaFeatureError(
+            keyword, path, f"llguidance cannot build the grammar of a number range with this bound ({first}).",
+            lenient="lenient=True does not relax it either: write a bound nearer zero, or none, and check it after "
+                    "generation.")
+    keyword = _refused_keyword(msg)
+    if keyword is not None:
+        return UnsupportedSchemaFeatureError(keyword, keyword_path(schema, keyword) or "", f"llguidance ({mode} mode): {first}.",
+                                             lenient=_LENIENT_WOULD if not relaxed else "lenient=True does not relax it either.")
+    return InvalidSchemaError(f"Invalid schema: llguidance says {msg}")
+
+
+#: What a strict refusal says when a lenient compile of the same schema succeeds.
+_LENIENT_WOULD = ("lenient=True would compile it and enforce this keyword only after decoding (an output that breaks "
+                  "it is an OutputValidationError).")
+_REMOTE = re.compile(r"is not present in a registry|does not fetch resources")
+
+
+def _remote_reference(schema: Any) -> tuple[str, str]:
+    """The keyword and path of the first reference to a schema outside this document."""
+    from .schema import iter_subschemas
+
+    for path, node in iter_subschemas(schema):
+        for keyword in ("$ref", "$dynamicRef", "$schema"):
+            target = node.get(keyword)
+            if isinstance(target, str) and not target.startswith("#") and (keyword != "$schema" or not _STANDARD_META.match(target)):
+                return keyword, path
+    return "$ref", ""
+
+
+_RANGE = re.compile(r"Failed to generate regex for (?:float|integer) range: .*")
+_SOME = re.compile(r"Some\(([-+0-9.eE]+)\)")
+
+
+def _bound_at(schema: Any, values: set[float]) -> tuple[str, str]:
+    """The first bound keyword (and its path) whose value is among ``values``."""
+    from .schema import iter_subschemas
+
+    for path, node in iter_subschemas(schema):
+        for keyword in _LOWER_BOUNDS + _UPPER_BOUNDS:
+            value = node.get(keyword)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) in values:
+                return keyword, path
+    return "minimum", ""
+
+
+_STANDARD_META = re.compile(r"https?://json-schema\.org/")
 
 
 #: At most this many allowed tokens are tried one by one when checking that an output can start.
@@ -341,10 +404,15 @@ def compile_json_guidance(schema: dict, tokenizer: Any, vocab: TokenVocabulary, 
     otherwise with the unenforceable keywords relaxed and named in ``warnings``."""
     try:
         return _compile_json(schema, tokenizer, vocab, whitespace, relax=False)
-    except UnsupportedSchemaFeatureError:
-        if not lenient:
-            raise
-    return _compile_json(schema, tokenizer, vocab, whitespace, relax=True)
+    except UnsupportedSchemaFeatureError as strict_error:
+        if lenient:
+            return _compile_json(schema, tokenizer, vocab, whitespace, relax=True)
+        if strict_error.args[0].endswith(_LENIENT_WOULD):
+            try:  # the refusal says lenient=True would compile it: only where that is true
+                _compile_json(schema, tokenizer, vocab, whitespace, relax=True)
+            except InvalidSchemaError as lenient_error:
+                raise lenient_error from None
+        raise
 
 
 def _compile_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespace: str, *,
@@ -356,15 +424,46 @@ def _compile_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespa
     if relax:
         options["coerce_one_of"] = True  # oneOf enforced as anyOf; exclusivity checked on the output
         schema, dropped = _without_unsupported_property_counts(schema)
-    grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    # As JSON text: llguidance reads integers past 64 bits from text (as floats; the bounds are
+    # widened first so that no valid value is lost), where a dict of Python ints is refused.
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(_widened_bounds(schema)), defaults=options)
     pattern = "json:" + json.dumps(schema, sort_keys=True) + json.dumps(options, sort_keys=True)
-    compiled = _compile_grammar(grammar, lltokenizer(tokenizer, vocab), vocab, "json", pattern, schema=schema)
+    compiled = _compile_grammar(grammar, lltokenizer(tokenizer, vocab), vocab, "json", pattern, schema=schema,
+                                relaxed=relax)
     notes = list(compiled.warnings)  # llguidance's own warnings name what it relaxed
     if relax and keyword_path(schema, "oneOf") is not None and not any("oneOf" in w for w in notes):
         notes.append("oneOf enforced as anyOf")
     notes += [f"min/maxProperties not enforced at {path or '/'}" for path in dropped]
     compiled.warnings = tuple(dict.fromkeys(notes))  # still private: not yet in the cache
     return compiled
+
+
+#: Integers whose float is exact; past them a bound is rounded outward for llguidance.
+_EXACT_FLOAT_INT = 2**53
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
+
+
+def _widened_bounds(schema: Any) -> Any:
+    """``schema`` with numeric bounds past 2**53 as floats rounded outward: llguidance reads
+    numbers as 64-bit floats, and rounding to nearest could refuse a valid value next to the
+    bound; the output check after decoding enforces the exact bound."""
+    import math
+
+    def widen(node: dict, _path: str) -> dict:
+        out = dict(node)
+        for keyword in _LOWER_BOUNDS + _UPPER_BOUNDS:
+            value = node.get(keyword)
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _EXACT_FLOAT_INT:
+                near = float(value)
+                if keyword in _LOWER_BOUNDS and near > value:
+                    near = math.nextafter(near, -math.inf)
+                elif keyword in _UPPER_BOUNDS and near < value:
+                    near = math.nextafter(near, math.inf)
+                out[keyword] = near
+        return out
+
+    return map_subschemas(schema, widen)
 
 
 def _without_unsupported_property_counts(schema: Any) -> tuple[Any, list[str]]:

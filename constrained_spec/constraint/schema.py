@@ -65,8 +65,13 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
         schema = _parse(path.read_text(), f"{path} is not JSON", limits)
     elif isinstance(schema, str):
         schema = _parse(schema, "the JSON text does not parse", limits)
-    if isinstance(schema, bool) or not isinstance(schema, dict):
-        raise InvalidSchemaError(f"Invalid schema: expected a JSON object, got {type(schema).__name__}.")
+    if schema is True:  # the schema every value satisfies, as the standard writes it
+        schema = {}
+    if schema is False:
+        raise InvalidSchemaError("Unsatisfiable schema: `false` is a valid schema that no value satisfies, so nothing "
+                                 "can be generated (lenient=True does not change that).")
+    if not isinstance(schema, dict):
+        raise InvalidSchemaError(f"Invalid schema: expected a JSON object or a boolean, got {type(schema).__name__}.")
     check_schema_limits(schema, limits)  # before anything below recurses into it
     try:
         check_schema_bytes(len(json.dumps(schema)), limits)
@@ -74,14 +79,30 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
         raise InvalidSchemaError(f"Invalid schema: it is not JSON data ({e}).") from None
     import jsonschema
 
+    from .validator import check_schema
+
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.absolute_path)
-        raise InvalidSchemaError(f"Invalid schema at {where}: {e.message}") from None
+        raise InvalidSchemaError(f"Invalid schema at {where}: {e.message} (the schema breaks the JSON Schema "
+                                 "standard; lenient=True does not change that).") from None
     if _REF_OVERRIDES_SIBLINGS.search(str(schema.get("$schema", ""))):
         schema = _without_ref_siblings(schema)
-    return JsonSchema(schema, model_cls)
+    return JsonSchema(map_subschemas(schema, _integral_counts), model_cls)
+
+
+#: Keywords whose value is a count. The standard allows any number with a zero fractional part
+#: ("2.0"); the grammar engines want an integer.
+COUNT_KEYWORDS = frozenset({"maxLength", "minLength", "maxItems", "minItems", "maxProperties", "minProperties",
+                            "maxContains", "minContains"})
+
+
+def _integral_counts(node: dict, _path: str) -> dict:
+    """``node`` with counts written as integral floats (``2.0``) made integers: the same schema."""
+    if not any(isinstance(node.get(k), float) for k in COUNT_KEYWORDS):
+        return node
+    return {k: int(v) if k in COUNT_KEYWORDS and isinstance(v, float) else v for k, v in node.items()}
 
 
 def pydantic_schema(model_cls: Any) -> dict:
