@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
+import regex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
+from .constraint.validator import compiled_pattern, output_validator
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
 from .decoding.prefix import MIN_PREFIX, shared_prefix_length
 from .drafters import Drafter, build_drafter
@@ -328,8 +329,7 @@ def generate_json(
 def validate_json_output(text: str, schema: dict | JsonSchema, model_cls: type | None = None) -> Any:
     """Parse and validate generated JSON against the original schema (and the pydantic class);
     never returns an invalid value: raises ``OutputValidationError`` instead."""
-    from .constraint.validator import output_validator
-
+    
     if isinstance(schema, JsonSchema):
         schema, model_cls = schema.schema, model_cls or schema.model_cls
     try:
@@ -372,8 +372,8 @@ def generate_regex(
     if not isinstance(pattern, str) or not pattern:
         raise InvalidRegexError(f"Invalid regex: expected a non-empty string, got {pattern!r}.")
     try:
-        checker = re.compile(pattern)
-    except re.error as e:
+        checker = compiled_pattern(pattern)  # the regex package: Unicode classes as llguidance reads them
+    except regex.error as e:
         raise InvalidRegexError(f"Invalid regex {pattern!r}: it does not compile ({e}).") from None
 
     def finish(text: str) -> str:

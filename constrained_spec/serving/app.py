@@ -15,19 +15,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import re
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import regex
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..api import chat_prefix_length, encode_chat, encode_text, prepare_request, resolve_draft, validate_json_output
 from ..constraint import CompiledConstraint, ConstraintLimits, JsonSchema, compile_constraint, load_schema
 from ..constraint.schema import close_objects
+from ..constraint.validator import compiled_pattern
 from ..constraint.cache import ByteBoundedLRU
 from ..batching import BatchEngine
 from ..decoding import DecodeStats, SpecOptions
@@ -68,7 +69,7 @@ class ServerConfig:
 class _Compiled:
     compiled: CompiledConstraint
     schema: JsonSchema | None
-    checker: re.Pattern[str] | None
+    checker: regex.Pattern[str] | None
     #: The schema's JSON text size, counted twice (its dict and the validator built from it).
     schema_bytes: int = 0
 
@@ -302,8 +303,8 @@ def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions, limit
     checker = None
     if spec.kind == "regex" and spec is not FREE_TEXT:
         try:
-            checker = re.compile(spec.source)
-        except re.error:  # a pattern in the backend's syntax only: the matcher alone enforces it
+            checker = compiled_pattern(spec.source)
+        except regex.error:  # a pattern in the backend's syntax only: the matcher alone enforces it
             checker = None
     return _Compiled(compiled, schema, checker, 2 * len(json.dumps(schema.schema)) if schema is not None else 0)
 
