@@ -1,4 +1,4 @@
-"""The batch sweep (``constrained-spec bench --batch``) on a few real documents: every
+"""The batch sweep (``constrained-spec bench batch``) on a few real documents: every
 configuration's records equal the per-document target-only records, and the figures add up."""
 
 from __future__ import annotations

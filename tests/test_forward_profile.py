@@ -1,5 +1,5 @@
-"""The forward profile (``constrained-spec bench --profile-forward``): every part timed, the
-parts within the plain time, the bytes a forward reads, and bad ``--forward-ks`` refused."""
+"""The forward profile (``constrained-spec bench profile``, formerly ``bench --profile-forward``): every
+part timed, the parts within the plain time, the bytes a forward reads, and bad ``--forward-ks`` refused."""
 
 from __future__ import annotations
 
@@ -36,5 +36,6 @@ def test_profile_splits_each_pass_into_its_parts():
 
 def test_bad_forward_ks_are_refused():
     for bad in ("1,x", "0,4"):
-        r = CliRunner().invoke(app, ["bench", "--profile-forward", "--forward-ks", bad])
-        assert r.exit_code != 0 and "Invalid --forward-ks" in r.output, r.output
+        for argv in (["bench", "--profile-forward", "--forward-ks", bad], ["bench", "profile", "--ks", bad]):
+            r = CliRunner().invoke(app, argv)
+            assert r.exit_code == 2 and "Invalid --forward-ks" in r.output, r.output

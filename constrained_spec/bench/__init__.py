@@ -1,5 +1,6 @@
-"""The benchmark harnesses behind ``constrained-spec bench``, ``coverage``, ``fuzz`` and ``soak``,
-one module each; every one prints figures measured side by side in one run:
+"""The benchmark harnesses behind ``constrained-spec bench SUBCOMMAND``, ``coverage``, ``fuzz`` and
+``soak``, one module each; every one prints figures measured side by side in one run (kept in
+the docs: docs/benchmarks.md says which page holds which):
 
 - ``single``: one request at a time, target-only against every drafter and K policy, with
   outlines' generator and llama.cpp's grammar path as reference rows (``quality`` scores the

@@ -1,4 +1,5 @@
-"""The batch sweep: whole extraction jobs at several batch sizes, side by side in one run.
+"""The batch sweep: whole extraction jobs at several batch sizes, side by side in one run
+(``constrained-spec bench batch``; figures in docs/extraction.md).
 
 For each batch size, three configurations run the same documents through ``extract``: batched
 target-only without the prefix cache (the path extraction had before the batch engine), batched

@@ -1,4 +1,5 @@
-"""Where a target forward's time goes: the profile behind ``constrained-spec bench --profile-forward``.
+"""Where a target forward's time goes: the harness of ``constrained-spec bench profile``
+(figures in docs/performance.md).
 
 A verify pass of k new tokens after a prompt of ``context`` tokens is timed plainly (the
 figure to trust), then once more with forward hooks that time each part of the model:

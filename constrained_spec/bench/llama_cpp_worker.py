@@ -1,14 +1,10 @@
 """llama.cpp's grammar path in a process of its own, driven over stdin / stdout by the bench.
 
-Why a separate process: an outside engine's crash should cost its row, not the whole run. Seen
-on an Intel Xeon with AMX (2026-12-04): llama-cpp-python 0.3.36 built with ``GGML_NATIVE=ON``
-segfaulted in ``ggml_backend_amx_mul_mat`` on its first prompt of more than one token, which
-killed the bench; llama.cpp and torch also each bring an OpenMP runtime. (Build it there with
-AMX off: ``CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8
--mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"``.) The file runs
-by path, not as a module of the package, so nothing of torch is imported here; the bench times
-each call from its side, round trip included (a pipe's latency: well under a millisecond
-against a request's second).
+Why a separate process: an outside engine's crash should cost its row, not the whole run (a
+native build of llama-cpp-python has crashed in its AMX matmul; the build that avoids it is in
+docs/benchmarks.md), and llama.cpp and torch each bring an OpenMP runtime. The file runs by
+path, not as a module of the package, so nothing of torch is imported here; the bench times
+each call from its side, round trip included (a pipe's latency is negligible against a request).
 
 Protocol, one JSON object a line each way:
 ``{"op": "grammar", "schema": {...}}`` -> ``{"id": N}`` (a grammar built from the JSON schema);

@@ -1,4 +1,5 @@
-"""Long documents in the batch engine: the figures behind ``constrained-spec bench --long-prompt``.
+"""Long documents in the batch engine: the harness of ``constrained-spec bench long-prompt``
+(figures in docs/extraction.md, "Long prompts").
 
 Three measurements on the embedded model, each side by side with the behaviour before chunked
 prefill where it can still be selected (``prefill_chunk=0``: a prompt fed in one step):

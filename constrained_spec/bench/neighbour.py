@@ -1,4 +1,5 @@
-"""A request's time beside other processes: the figures behind ``constrained-spec bench --neighbour``.
+"""A request's time beside other processes: the harness of ``constrained-spec bench neighbour``
+(figures in docs/performance.md, "Sharing the machine").
 
 The same extraction prompts run alone, beside one busy core (a Python loop: a web worker, a
 compiler) and beside a second torch process (matmuls on torch's default threads: an OpenMP
@@ -103,8 +104,7 @@ def run_neighbour_bench(limit: int = 3, max_new_tokens: int = 256, llama_cpp: bo
                     if name.endswith("thread governor"):
                         # Two samples an interval apart, as a process that has been running has
                         # them: the run starts at the thread count the load calls for, not at
-                        # the most threads for its first interval (a 0.6 s set of requests
-                        # spent almost half of it there).
+                        # the most threads for its first interval.
                         governor.update()
                         time.sleep(governor.interval)
                         governor.update()

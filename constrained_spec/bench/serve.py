@@ -1,6 +1,6 @@
 """The server load test: concurrent clients on the extraction documents, speculation on and off.
 
-``constrained-spec bench --serve 1,8,32`` starts ``constrained-spec serve`` in a process of its own
+``constrained-spec bench serve 1,8,32`` starts ``constrained-spec serve`` in a process of its own
 (or uses ``--server URL``), then for each concurrency level runs that many client threads, each
 sending streamed chat requests (the ``Person`` schema of the batch sweep, greedy) until the
 documents are used up, once with ``speculative.drafter = "none"`` and once with the default, in

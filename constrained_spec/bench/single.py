@@ -1,4 +1,5 @@
-"""Side-by-side benchmark: target-only vs every drafter and K policy, plus outlines as a reference.
+"""Side-by-side benchmark: target-only vs every drafter and K policy, plus outlines and llama.cpp
+as references (``constrained-spec bench single``; figures in docs/performance.md and docs/drafters.md).
 
 All configurations run in one process, interleaved prompt by prompt, so machine noise hits them
 alike; figures are reported as ratios against target-only decoding measured in the same run.

@@ -34,13 +34,13 @@ MAX_CACHED_MASKS = 128
 #: Matcher snapshots kept besides the root's: one at each of the last committed states (the
 #: cursor after ``advance``), from which drafts and verifier masks are reached by consuming
 #: forward; a state behind them (a rollback of the cursor) is replayed from an older one or the
-#: root. A deep copy took 4 us here and holds about 66 KiB after 1,700 tokens (one per explored
-#: trie node made a 1,700-token walk grow the process by 110 MiB; these 8, by under 1 MiB).
+#: root. A copy is cheap and small, where one per explored trie node grew a long generation's
+#: process by hundreds of MiB.
 MAX_SNAPSHOTS = 8
 #: llguidance's default lexer fuel per mask step (200k) runs out inside long bounded patterns
 #: (``^(\\S+\\s+){0,99}\\S+$`` with ``maxLength: 5000``) and then silently disallows valid
-#: bytes, narrowing the language. 100 times more keeps such strings (measured: a 100-character
-#: answer needs 20M); it is a cap, spent only by the rare pattern that needs it.
+#: bytes, narrowing the language. 100 times more keeps such strings; it is a cap, spent only by
+#: the rare pattern that needs it.
 PARSER_LIMITS = {"step_lexer_fuel": 20_000_000, "initial_lexer_fuel": 50_000_000}
 
 

@@ -44,8 +44,8 @@ from ..drafters.head import DraftHead, HeadConfig, default_taps
 from ..errors import InvalidOptionError
 
 CHECKPOINT_FILE = "checkpoint.pt"
-#: Runs decoded at once in stage 1 by default: on this 2-core CPU the batch engine at 16 rows
-#: decodes about 2.5x the tokens per second of one request (README, batch sweep).
+#: Runs decoded at once in stage 1 by default: the batch engine at 16 rows decodes several times
+#: the tokens per second of one request (docs/performance.md, the batch sweep).
 DECODE_BATCH = 16
 OUTPUTS_FILE = "outputs.pt"
 
