@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from constrained_spec.models import attention_kernel
+from constrained_spec import config
+from constrained_spec.models import attention_kernel, cpu_kernels
 from constrained_spec.models.invariant import _allowed, attend_new_rows
 
 pytestmark = pytest.mark.skipif(not attention_kernel.enabled(), reason="the attention kernel does not build here")
@@ -105,8 +106,22 @@ def test_shapes_it_does_not_compute_are_refused_by_name(monkeypatch):
     q, k, v = _qkv(4, 3, 64, 1, 10)
     with pytest.raises(RuntimeError, match="4 query heads over 3 key heads"):
         torch.ops.constrained_spec.attend_rows(q, k, v, None, 0.1)
-    monkeypatch.setenv(attention_kernel.KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match="CONSTRAINED_SPEC_ATTENTION_KERNEL='fast'"):
-        attention_kernel.requested()
-    monkeypatch.setenv(attention_kernel.KERNEL_ENV, "off")
-    assert not attention_kernel.requested()
+    variable = config.variable("attention_kernel")
+    monkeypatch.setenv(variable, "fast")
+    with pytest.raises(ValueError, match="got CONSTRAINED_SPEC_ATTENTION_KERNEL='fast'"):
+        config.read("attention_kernel")
+    monkeypatch.setenv(variable, " OFF ")
+    assert not config.read("attention_kernel")
+
+
+def test_the_choice_is_made_once_from_the_first_request():
+    """``ProcessChoice``: the first load's request holds; the environment only where none came; then fixed."""
+    built = []
+    choice = cpu_kernels.ProcessChoice("attention_kernel", lambda: built.append(1) or True)
+    choice.request(False)
+    choice.request(True)  # a later load's config: the process has one choice
+    assert not choice() and not built
+    choice = cpu_kernels.ProcessChoice("attention_kernel", lambda: built.append(1) or True)
+    assert choice() and choice() and built == [1]  # built once
+    choice.request(False)  # made already: no change
+    assert choice()

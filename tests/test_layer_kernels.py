@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from constrained_spec import ModelLoadError, load_model
+from constrained_spec import ModelLoadError, config, load_model
 from constrained_spec.models import attention_kernel, cpu_kernels, invariant, layer_kernels
 
 pytestmark = pytest.mark.skipif(not layer_kernels.enabled(), reason="the layer kernels do not build here")
@@ -88,17 +88,20 @@ def test_bad_inputs_are_refused_by_name():
         ops.rope_store(_rows(2, 3 * 64), _rows(2, 64), _rows(2, 64), keys, keys.clone(), 3, 1, 64)
 
 
-@pytest.mark.parametrize("env", [layer_kernels.KERNEL_ENV, attention_kernel.KERNEL_ENV])
+@pytest.mark.parametrize("env", [config.variable("layer_kernels"), config.variable("attention_kernel")])
 def test_a_bad_switch_is_refused_by_name_when_the_model_loads(env, monkeypatch):
     """Not at the first forward, deep inside it: ``load_model`` names the variable and its values."""
     monkeypatch.setenv(env, "fast")
-    with pytest.raises(ModelLoadError, match=f"{env}='fast': use 'on'"):
+    with pytest.raises(ModelLoadError, match=f"expected one of 'on', 'off' \\(default 'on'\\), got {env}='fast'"):
         load_model(precision="float32")
 
 
 def test_the_switch_takes_on_and_off_only(monkeypatch):
-    monkeypatch.setenv(layer_kernels.KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match="CONSTRAINED_SPEC_LAYER_KERNELS='fast'"):
-        cpu_kernels.switched_on(layer_kernels.KERNEL_ENV)
-    monkeypatch.setenv(layer_kernels.KERNEL_ENV, "off")
-    assert not cpu_kernels.switched_on(layer_kernels.KERNEL_ENV)
+    variable = config.variable("layer_kernels")
+    monkeypatch.setenv(variable, "fast")
+    with pytest.raises(ValueError, match="got CONSTRAINED_SPEC_LAYER_KERNELS='fast'"):
+        config.read("layer_kernels")
+    monkeypatch.setenv(variable, "off")
+    assert not config.read("layer_kernels")
+    monkeypatch.setenv(variable, "")
+    assert config.read("layer_kernels")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from constrained_spec import ModelLoadError, load_model
+from constrained_spec import ModelLoadError, config, load_model
 from constrained_spec.models import q4_vnni
 from constrained_spec.models.int4 import FusedInt4, Int4Linear, dequantize_q4_1, unpack_q4_1
 
@@ -100,10 +100,11 @@ def test_bad_inputs_are_refused_by_name(monkeypatch):
         q4_vnni.q4_1_mm(torch.randn(2, 64), layer.vnni_packed, layer.vnni_scales)
     with pytest.raises(ValueError, match="multiple of 32"):
         q4_vnni.pack(*unpack_q4_1(random_q4_1(48, 96), (48, 96)))
-    monkeypatch.setenv(q4_vnni.KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="'torch', 'vnni', 'vnni-int8'"):
-        q4_vnni.requested()
-    with pytest.raises(ModelLoadError, match="CONSTRAINED_SPEC_INT4_KERNEL='fast'"):
+        q4_vnni.kernel("fast")
+    monkeypatch.setenv(config.variable("int4_kernel"), "fast")
+    with pytest.raises(ModelLoadError, match="expected one of 'torch', 'vnni', 'vnni-int8' .*, "
+                                             "got CONSTRAINED_SPEC_INT4_KERNEL='fast'"):
         load_model(precision="native")
 
 

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from constrained_spec import ModelLoadError, load_model
+from constrained_spec import ModelLoadError, config, load_model
 from constrained_spec.models import cpu_kernels, q8_output
 from constrained_spec.models.q8_output import Q8OutputProjection
 
@@ -63,13 +63,12 @@ def test_bad_shapes_and_a_bad_variable_are_refused_by_name(monkeypatch):
         torch.ops.constrained_spec.q8_0_mm(torch.randn(2, 96), vnni.vnni_packed, vnni.vnni_scales)
     with pytest.raises(ValueError, match="Unknown output kernel"):
         Q8OutputProjection({}, torch.zeros(32, 64), "fast")
-    monkeypatch.setenv(q8_output.KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match="CONSTRAINED_SPEC_OUTPUT_KERNEL='fast'"):
-        q8_output.kernel()
-    with pytest.raises(ModelLoadError, match="CONSTRAINED_SPEC_OUTPUT_KERNEL"):
+    with pytest.raises(ValueError, match="Unknown output kernel 'fast'"):
+        q8_output.kernel("fast")
+    monkeypatch.setenv(config.variable("output_kernel"), "fast")
+    with pytest.raises(ModelLoadError, match="got CONSTRAINED_SPEC_OUTPUT_KERNEL='fast'"):
         load_model(precision="native")
-    monkeypatch.setenv(q8_output.KERNEL_ENV, "torch")
-    assert q8_output.kernel() == "torch"
+    assert q8_output.kernel("torch") == "torch"
 
 
 def test_native_model_takes_the_kernel_by_default(smol):

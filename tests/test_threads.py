@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from constrained_spec import config
 from constrained_spec.errors import InvalidOptionError
 from constrained_spec.models import threads
 from constrained_spec.models.threads import ThreadGovernor, busy_seconds
@@ -65,21 +66,31 @@ def test_busy_seconds_reads_only_this_process_cores(tmp_path):
     assert busy_seconds({0}, str(tmp_path / "missing")) is None
 
 
-def test_the_thread_setting_is_read_from_the_environment(monkeypatch):
+def test_the_thread_setting_comes_from_the_first_load_or_the_environment(monkeypatch):
+    """``RuntimeConfig.threads`` as a load asks for it (``request_threads``) or, before any load,
+    ``CONSTRAINED_SPEC_THREADS``; a bad value names the variable."""
     before = torch.get_num_threads()
+    variable = config.variable("threads")
+    monkeypatch.setattr(threads, "_ASKED", [])
     try:
         for value, kind in (("auto", ThreadGovernor), ("", ThreadGovernor), ("off", threads._Fixed)):
             monkeypatch.setattr(threads, "_GOVERNOR", None)
-            monkeypatch.setenv(threads.THREADS_ENV, value)
+            monkeypatch.setenv(variable, value)
             assert isinstance(threads.thread_governor(), kind)
         monkeypatch.setattr(threads, "_GOVERNOR", None)
-        monkeypatch.setenv(threads.THREADS_ENV, "1")
+        monkeypatch.setenv(variable, "1")
         assert threads.thread_governor().update() == 1 and torch.get_num_threads() == 1
+        monkeypatch.setattr(threads, "_GOVERNOR", None)
+        threads.request_threads("auto")  # a load's config wins over the environment
+        threads.request_threads("off")  # and the first load's over a later one's
+        assert isinstance(threads.thread_governor(), ThreadGovernor) and not threads._ASKED
         for bad in ("0", "two", "-1"):
             monkeypatch.setattr(threads, "_GOVERNOR", None)
-            monkeypatch.setenv(threads.THREADS_ENV, bad)
-            with pytest.raises(InvalidOptionError, match="CONSTRAINED_SPEC_THREADS"):
+            monkeypatch.setenv(variable, bad)
+            with pytest.raises(InvalidOptionError, match=f"got CONSTRAINED_SPEC_THREADS='{bad}'"):
                 threads.thread_governor()
+        with pytest.raises(InvalidOptionError, match="got threads=0"):
+            threads.request_threads(0)
     finally:
         torch.set_num_threads(before)
 

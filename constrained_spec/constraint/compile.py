@@ -15,10 +15,10 @@ a spawned worker process that is killed on time-out, and nothing is left running
 from __future__ import annotations
 
 import json
-import os
 import threading
 from typing import Any, Literal
 
+from .. import config
 from ..errors import InvalidOptionError, InvalidRegexError
 from .base import CompiledConstraint
 from .cache import ByteBoundedLRU
@@ -37,22 +37,13 @@ BACKENDS: tuple[str, ...] = ("auto", "outlines-core", "llguidance")
 #: instance; decoding speed is the same (docs/constraints.md holds the coverage table).
 AUTO_BACKEND = "llguidance"
 
-#: Bytes of compiled constraints kept, least recently used dropped first (a server sees many schemas).
-CACHE_BYTES_ENV = "CONSTRAINED_SPEC_CONSTRAINT_CACHE_MB"
-DEFAULT_CACHE_BYTES = 256 << 20
+#: Bytes of compiled constraints kept, least recently used dropped first (a server sees many
+#: schemas): ``$CONSTRAINED_SPEC_CONSTRAINT_CACHE_MB`` (``RuntimeConfig``), read once at import.
+CACHE_BYTES_ENV = config.variable("constraint_cache_mb")
 
 
 def _cache_bytes_from_env() -> int:
-    raw = os.environ.get(CACHE_BYTES_ENV)
-    if raw is None:
-        return DEFAULT_CACHE_BYTES
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidOptionError(f"Invalid ${CACHE_BYTES_ENV}: expected a number of MiB, got {raw!r}.") from None
-    if value < 0:
-        raise InvalidOptionError(f"Invalid ${CACHE_BYTES_ENV}: expected a number of MiB >= 0, got {raw!r}.")
-    return int(value * (1 << 20))
+    return int(config.read("constraint_cache_mb") * (1 << 20))
 
 
 _CACHE: ByteBoundedLRU[CompiledConstraint] = ByteBoundedLRU(_cache_bytes_from_env(), lambda c: c.nbytes)

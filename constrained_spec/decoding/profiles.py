@@ -7,42 +7,32 @@ under-used (large GPUs, small batches), so K_max grows with the hardware. Struct
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
+from .. import config
 from ..errors import InvalidOptionError
 
 Task = Literal["text", "code", "json", "chat"]
 TASKS: tuple[str, ...] = ("text", "code", "json", "chat")
-PROFILE_ENV = "CONSTRAINED_SPEC_PROFILE"
+#: The variable that names the profile (``RuntimeConfig.profile``).
+PROFILE_ENV = config.variable("profile")
 
 K_MAX_PROFILES: dict[str, dict[str, int]] = {
     "a100-80gb": {"text": 4, "code": 3, "json": 6, "chat": 5},
     "h100-80gb": {"text": 5, "code": 5, "json": 8, "chat": 6},
     "h100-80gb-x8": {"text": 6, "code": 5, "json": 10, "chat": 7},
     "gb200-nvl72": {"text": 8, "code": 7, "json": 12, "chat": 9},
-    # Measured on a 2-core CPU with SmolLM2-135M (float32): a forward over 1, 8, 12, 16, 20, 24
-    # new tokens takes about 31, 55, 60, 63, 66, 70 ms once the vocabulary rows of single-token
-    # states are skipped, so past 8 tokens each extra verified token costs ~0.02 of a forward.
-    # Forced and copied json spans are accepted ~90% of the time and often run past 12 tokens
-    # (`"INV-2291", "vendor": "`), so json drafts up to 20 pay (bench: fixed K 12 / 16 / 20 gave
-    # 2.87x / 2.99x / 3.04x); the adaptive policy trims the unlikely tail of each draft. For free
-    # text, where lookup or a draft model lands ~40-50%, the formula peaks at K = 3-4.
+    # On a CPU, past 8 tokens each extra verified token costs a small share of a forward, and
+    # forced and copied json spans are long and mostly accepted, so json drafts up to 20 pay;
+    # for free text the formula peaks at K = 3-4 (docs/changelog.md has the fixed-K runs).
     "cpu": {"text": 4, "code": 4, "json": 20, "chat": 4},
 }
 
 #: Prior shape and r of the verify-cost curve t(K) = t0 (1 + r g(K)) by (profile, precision)
-#: (``kpolicy.CURVE_SHAPES``); the adaptive policy refits both online. Measured on the 2-core CPU
-#: with SmolLM2-135M: float32 after a 100-token prompt, t0 58 ms, K = 8 / 16 / 24 at 87 / 101 /
-#: 112 ms (concave, r ~0.2); native (the scripted layer loop, Intel Xeon with AMX, 2026-12-04,
-#: after a 300-token prompt, the last row's logits, medians of 12, twice): 1 / 2 / 4 / 8 / 12 /
-#: 16 / 21 new tokens at 13.6 / 15.3 / 18.4 / 27.8 / 36.6 / 43.7 / 60.7 ms: linear, +0.12 /
-#: 0.12 / 0.15 / 0.15 / 0.15 / 0.17 of a pass per token (the int4 kernel and the float64
-#: attention pay per row; before the loop was scripted, 84 / 108 / 206 / 266 ms for 1 / 4 / 12 /
-#: 21 on a slower machine, r ~0.11: the forward's fixed part shrank). A Hopper GPU
-#: (an H200, bfloat16, batch-invariant, CUDA graphs, SmolLM2-135M's shapes after a 300-token
-#: context, ``benchmarks/gpu_graphs.py``): 1 / 4 / 12 / 21 new tokens at 5.12 / 5.63 / 5.94 /
-#: 5.86 ms, nearly flat (concave, r ~0.04).
+#: (``kpolicy.CURVE_SHAPES``); the adaptive policy refits both online. Each prior is the curve
+#: measured for that pair: float32 on the CPU concave, native precision linear (each verified row
+#: pays its share of the int4 kernel and attention), a Hopper GPU with CUDA graphs nearly flat
+#: (see docs/performance.md).
 VERIFY_COST_PRIORS: dict[tuple[str, str], tuple[str, float]] = {("cpu", "float32"): ("concave", 0.25),
                                                                 ("cpu", "native"): ("linear", 0.15),
                                                                 ("cpu", "native-exact"): ("linear", 0.15),
@@ -58,9 +48,9 @@ def verify_cost_prior(profile: str, precision: str) -> tuple[str, float]:
 
 def detect_profile() -> str:
     """The profile of this machine: from ``$CONSTRAINED_SPEC_PROFILE``, else the CUDA device name and count."""
-    forced = os.environ.get(PROFILE_ENV)
+    forced = config.read("profile")  # checked: an unknown name raises InvalidOptionError
     if forced:
-        return validate_profile(forced)
+        return forced
     try:
         import torch
 

@@ -1,10 +1,10 @@
 """Batch-invariant float32 attention of new rows on the CPU: a kernel that computes each row alone.
 
-Why hand-written: a verify pass's rows must get the bits a one-row pass gives them. torch's CPU
-attention in float32 picks its blocking by the number of rows and keys, so ``models.invariant``
-ran it in float64 (invariant up to ~1e-8 odds a value) or, past ``LONG_CONTEXT``, in float32 on
-padded fixed shapes. float64 is slow: on a 2-core AMD EPYC, 21 rows over 321 keys of the embedded
-model's 9 query / 3 key heads took 380-460 us a layer, about 11-14 ms of a 21-token verify pass.
+Why hand-written: a verify pass's rows must get the bits a one-row pass gives them, and torch's
+CPU attention in float32 picks its blocking by the number of rows and keys. ``models.invariant``
+therefore ran it in float64 (invariant up to ~1e-8 odds a value) or, past ``LONG_CONTEXT``, in
+float32 on padded fixed shapes, both several times slower than this kernel (see
+docs/performance.md).
 
 ``kernels/row_attention.cpp`` does, for each (batch row, key head, query row), with AVX-512:
 - the keys of a batch row transposed once ([D, keys]), so 16 keys' scores come from one FMA per
@@ -15,40 +15,27 @@ model's 9 query / 3 key heads took 380-460 us a layer, about 11-14 ms of a 21-to
 Every row runs the same arithmetic on the same sequence whatever rows, heads, batch rows or
 padding keys are beside it: exactly invariant, with no odds (tested: each of 21 rows equals its
 one-row pass; padded keys and other batch rows change no bit). Its error against float64 is
-that of torch's float32 attention (7.5e-6 against 7.6e-6 on values of ~4).
-
-Measured (same machine, median of 200, us a layer, kernel / float64): 1 row 22 / 46, 4 rows
-43 / 107, 12 rows 92 / 216, 21 rows 150 / 388.
+that of torch's float32 attention.
 
 On by default wherever it builds (AVX-512 and a compiler, ``models.cpu_kernels``);
-``CONSTRAINED_SPEC_ATTENTION_KERNEL=off`` keeps the float64 path (a machine without the kernel
-takes it silently). The choice is made once per process, so every forward of a model agrees.
+``RuntimeConfig.attention_kernel`` (``CONSTRAINED_SPEC_ATTENTION_KERNEL=off``) keeps the float64
+path, which a machine without the kernel takes silently. One choice per process, so every
+forward of a model agrees.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from . import cpu_kernels
 
-KERNEL_ENV = "CONSTRAINED_SPEC_ATTENTION_KERNEL"
 _HEAD_DIMS = (64, 128)
 _MAX_GROUP = 16
 
-
-def requested() -> bool:
-    """Whether ``$CONSTRAINED_SPEC_ATTENTION_KERNEL`` leaves the kernel on (``on``, the default, or
-    ``off``); other values are refused with the ones it takes."""
-    return cpu_kernels.switched_on(KERNEL_ENV)
-
-
-@functools.lru_cache(maxsize=1)
-def enabled() -> bool:
-    """Whether this process attends new rows with the kernel: asked for (the default) and built.
-    Fixed at the first call, so a model's forwards never mix the two paths."""
-    return requested() and cpu_kernels.build("row_attention.cpp", cpu_kernels.AVX512, warn=False)
+#: Whether this process attends new rows with the kernel: asked for (``RuntimeConfig.attention_kernel``,
+#: on by default) and built. Fixed at the first call, so a model's forwards never mix the two paths.
+enabled = cpu_kernels.ProcessChoice("attention_kernel",
+                                    lambda: cpu_kernels.build("row_attention.cpp", cpu_kernels.AVX512, warn=False))
 
 
 def fits(heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -29,12 +29,15 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from .. import config
 from ..storage import cache_dir
 
 KERNELS = Path(__file__).parent / "kernels"
@@ -62,13 +65,32 @@ _LIBRARY.define("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys,
                 "int q_heads, int head_dim) -> Tensor")
 
 
-def switched_on(env: str) -> bool:
-    """Whether the on/off variable ``env`` leaves its kernel on (``on``, the default, or ``off``);
-    another value is refused with the ones it takes."""
-    value = os.environ.get(env, "").strip().lower()
-    if value not in ("", "on", "off"):
-        raise ValueError(f"Invalid {env}={value!r}: use 'on' (the default) or 'off'.")
-    return value != "off"
+class ProcessChoice:
+    """Whether this process runs one kernel: asked for by the first load's ``RuntimeConfig``
+    (``request``; before any load, by the environment through ``config.read``), then fixed at
+    the first call with whether it builds, so a model's forwards never mix two paths."""
+
+    def __init__(self, setting: str, build: Callable[[], bool]) -> None:
+        self.setting = setting  # the RuntimeConfig field that asks for it
+        self._build = build
+        self._asked: bool | None = None
+        self._chosen: bool | None = None
+        self._lock = threading.Lock()
+
+    def request(self, switched_on: bool) -> None:
+        """Ask for the kernel on or off; a no-op once the choice is made or asked for."""
+        with self._lock:
+            if self._asked is None:
+                self._asked = switched_on
+
+    def __call__(self) -> bool:
+        """Whether this process runs the kernel (made on the first call: asked for and built)."""
+        if self._chosen is None:
+            with self._lock:
+                if self._chosen is None:
+                    asked = self._asked if self._asked is not None else config.read(self.setting)
+                    self._chosen = bool(asked) and self._build()
+        return self._chosen
 
 
 def cpu_flags() -> set[str]:

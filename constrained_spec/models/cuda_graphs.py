@@ -1,9 +1,9 @@
 """CUDA graphs for a batch-invariant model's decode and verify forwards on a GPU.
 
-A forward of a small model on a GPU is bound by launching kernels, not by running them: on an
-H200 an eager forward of SmolLM2-135M's shapes took about 40 ms, 85 ms made batch-invariant
-(``models.invariant`` adds float64 norms and attention, so more launches), while its weights
-take microseconds to read. A CUDA graph replays a recorded sequence of kernels with one launch.
+A forward of a small model on a GPU is bound by launching kernels, not by running them, the
+more so made batch-invariant (``models.invariant`` adds float64 norms and attention, so more
+launches), while its weights take microseconds to read. A CUDA graph replays a recorded sequence
+of kernels with one launch (docs/performance.md, CUDA graphs, has the figures).
 
 A graph replays fixed shapes on fixed addresses, so what it records is a *static* forward:
 - rows: the forward's new tokens are padded to a bucket of ``ROW_BUCKETS`` rows (token 0 at
@@ -37,8 +37,8 @@ forward, as do all forwards where no GPU is present: the CPU path is unchanged.
 
 Cost: each (rows, keys) bucket is captured the first time a forward needs it: a warm-up
 forward and a recorded one, about two eager forwards. A request over a few hundred positions
-with K up to 12 meets five or six buckets, so the first request pays about a second and later
-ones nothing. The graphs share one memory pool.
+with K up to 12 meets five or six buckets, so the first request pays for them and later ones
+nothing. The graphs share one memory pool.
 """
 
 from __future__ import annotations

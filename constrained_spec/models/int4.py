@@ -3,25 +3,24 @@
 A GGUF Q4_1 block holds 32 weights as nibbles q in 0..15 with an fp16 scale d and minimum m:
 w = q d + m. torch's kernel (``_weight_int4pack_mm_for_cpu``, group size 32) computes
 w = (q - 8) s + z, so s = d and z = m + 8 d. Its fast path takes bfloat16 inputs and bfloat16
-scales; bfloat16 holds d and z only to 8 significant bits (measured: 93% of the model's blocks
-are not exact in bfloat16), so weights differ from the stored ones by at most 2^-9 of a block's
-scale, below the bfloat16 rounding of the activations that the kernel applies anyway. (Float32
-scales and inputs reproduce the stored weights bit for bit, but that path of the kernel is
-unvectorized here: 20-85x slower than a float32 matmul.)
+scales; bfloat16 holds d and z only to 8 significant bits (most of the model's blocks are not
+exact in bfloat16), so weights differ from the stored ones by at most 2^-9 of a block's scale,
+below the bfloat16 rounding of the activations that the kernel applies anyway. (Float32 scales
+and inputs reproduce the stored weights bit for bit, but that path of the kernel is unvectorized
+here: far slower than a float32 matmul.)
 
 The kernel computes every output row on its own, so a row's result is bit-identical whether
 it is computed alone or among any number of rows (tested): what batch-invariant decoding needs.
 
-It pays for that per row: about 2.5x what a float32 matmul pays per row of a long input
-(measured here on the 576 x 3072 gate/up matrix: 23.3 ms for 300 rows against 9.5 ms), so a
-prompt took 6 ms a token and 86% of its time in this kernel. Prompt rows need no invariance
+It pays for that per row: more than twice what a float32 matmul pays per row of a long input,
+so a prompt spent most of its time in this kernel. Prompt rows need no invariance
 (``models.invariant``: the same rows with the same keys in every run of a request), so a
 layer given ``prompt_weight`` (the stored weights in bfloat16: the precision the kernel's own
 scales and inputs have) and a row split (``rows``, set by ``make_batch_invariant``) sends prompt
 segments of at least ``MIN_DENSE_ROWS`` rows through a dense matmul instead: a bfloat16 one
-where the CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX: 2.5-3x a float32 matmul of
-a prompt's shapes here, accumulated in float32), else a float32 one over the weights widened
-once per forward.
+where the CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX: several times faster than a
+float32 matmul of a prompt's shapes, accumulated in float32), else a float32 one over the
+weights widened once per forward (docs/performance.md has the figures).
 """
 
 from __future__ import annotations
@@ -51,18 +50,10 @@ def _cpu_flags() -> list[str]:
 
 
 #: Per dense dtype, prompt segments shorter than this stay on the kernel: the dense path reads
-#: every layer's weights (203 MiB a forward in bfloat16; the float32 path converts them first,
-#: about 1 GB of memory traffic), which a few rows do not repay. The crossover is measured as
-#: requests meet it: a prompt pass between decode steps, whose kernel weights are warm and whose
-#: dense weights are not (medians of five, ms, dense / kernel). bfloat16 with AMX (Intel Xeon,
-#: 2026-12-04, once the dense matmul no longer copied the weights on each call): 16 rows 81.9 /
-#: 74.9, 24 rows 85.4 / 86.1, 32 rows 89.7 / 104.6, 48 rows 102.2 / 137.7, 64 rows 106.9 /
-#: 166.6, 96 rows 117.5 / 223.6, 128 rows 136.4 / 285.0: 32 rows. bfloat16 without AMX
-#: (AVX512_BF16, AMD EPYC, 2026-12-03, with those copies, which took about 66 ms of a 300-row
-#: pass here): 51 rows 192 / 104, 71 rows 229 / 205, 104 rows 268 / 226, 124 rows 309 / 311;
-#: less the copies, about 64 rows (estimated: no such machine here since). float32 (an earlier
-#: machine, loop-timed): 16 rows 130 / 198, 32 rows 200 / 217, 64 rows 330-390 / 284, 100 rows
-#: 580-760 / 445.
+#: every layer's weights (the float32 one converts them first), which a few rows do not repay.
+#: Each threshold is the measured crossover for a prompt pass between decode steps, whose kernel
+#: weights are warm and whose dense weights are not: lower where AMX multiplies bfloat16 (see
+#: docs/performance.md, prompt rows).
 MIN_DENSE_ROWS = {torch.bfloat16: 32 if "amx_bf16" in _cpu_flags() else 64, torch.float32: 48}
 
 
@@ -114,8 +105,7 @@ class Int4Linear(nn.Module):
     the dense path of prompt rows (see the module docstring). ``vnni``: the same weights in
     ``models.q4_vnni``'s layout (``pack``), which then computes every kernel row instead, with
     activations split into two int8 parts (``vnni_split``, about 15 bits) or rounded to one; such
-    a layer needs no torch layout (``packed`` and ``scales_and_zeros`` None: 66 MB fewer for the
-    embedded model).
+    a layer needs no torch layout (``packed`` and ``scales_and_zeros`` None, which saves their memory).
     """
 
     def __init__(self, packed: torch.Tensor | None, scales_and_zeros: torch.Tensor | None, in_features: int,
@@ -168,7 +158,7 @@ class Int4Linear(nn.Module):
                         dense.append(self.prompt_weight.to(self.prompt_dtype))
                     # As a matrix: a slice of a forward's rows keeps the whole tensor's batch
                     # stride, and matmul then takes bmm over a copy of the weights made on each
-                    # call (measured: 2.2 ms a layer of a 300-row prompt pass, a fifth of it).
+                    # call, a large share of a prompt pass.
                     flat = rows.reshape(-1, self.in_features).to(self.prompt_dtype)
                     out = nn.functional.linear(flat, dense[0]).to(rows.dtype)
                     return out.reshape(*rows.shape[:-1], self.out_features)
@@ -202,7 +192,7 @@ class FusedInt4:
     concatenated along the output rows): q/k/v and gate/up of a llama layer. Each layer is
     replaced by an ``Int4Part``; the first part called with an input computes every part's
     output, the others take theirs. Outputs equal the separate layers' bit for bit (the kernel
-    computes each output element alone); one call instead of three saves ~55 us per layer."""
+    computes each output element alone); one call instead of three saves each call's fixed cost."""
 
     def __init__(self, layers: list[Int4Linear]) -> None:
         if not self.can_fuse(layers):

@@ -18,19 +18,18 @@ What varies with the number of rows in a forward, and what is done about it:
   In both torch paths, a different reduction order changes the float64 result by ~1e-16
   relative, which the rounding to float32 removes unless the value lies that close to a float32
   rounding boundary (odds ~1e-8 per value). A fixed tree of elementwise adds would be invariant with
-  no odds at all, but cost 10x the reduction here (3 ms per forward in the norms alone);
+  no odds at all, but cost several times the reduction;
 - the prompt rows of the first pass (``prompt_rows=``) keep the stock kernels (attention over
-  their own keys, a plain matmul; at native precision a float32 matmul over the stored
-  weights, 2.5x faster a row than the int4 kernel, see ``models.int4``): they are the same rows with the same keys in every run of a
-  request, so they get the same bits anyway. A hook on the model puts the forward's
+  their own keys, a plain matmul; at native precision a dense matmul over the stored weights,
+  faster a row than the int4 kernel, see ``models.int4``): they are the same rows with the same
+  keys in every run of a request, so they get the same bits anyway. A hook on the model puts the forward's
   ``prompt_rows`` into a ``RowSplit`` that the linear layers read, since keyword arguments of a
   forward reach attention but not the linear layers.
 - the output projection on the CPU: ``x @ W.T`` picks another sgemm path for 2+ rows, which
-  both changes a row's logits with the row count and costs 2.5x a one-row pass (measured on
-  the embedded model's 49,152 x 576 float32 matrix: 10.7 ms for one row, 26 ms for 4 or 8).
-  ``W @ X.T`` over a zero-padded block of exactly ``OUTPUT_BUCKET`` rows costs 10.2 ms for
-  any 1 to 8 rows and, one kernel shape for every forward, gives each row the same bits
-  wherever it sits in the block (tested), so greedy logits are the same for every K and
+  both changes a row's logits with the row count and costs more than twice a one-row pass.
+  ``W @ X.T`` over a zero-padded block of exactly ``OUTPUT_BUCKET`` rows costs what one row
+  costs for any 1 to 8 rows and, one kernel shape for every forward, gives each row the same
+  bits wherever it sits in the block (tested), so greedy logits are the same for every K and
   batch. Wider blocks cost more for the 1-8 rows a single request's verify pass has.
 Everything else (embedding, rotary embedding, residual adds, SiLU) is elementwise.
 """
@@ -59,9 +58,6 @@ LONG_CONTEXT = 2048
 #: CPU flash kernel's key block, so a padded block changes no bit of the blocks before it).
 F32_QUERY_BLOCK = 8
 F32_KEY_BLOCK = 512
-#: Whether the float32 path folds GQA query heads into their key head's rows where that saves
-#: blocks (``_float32_blocks``; the same bits either way). Off: one block per query head, as before.
-FOLD_QUERY_HEADS = True
 
 
 class RowSplit:
@@ -261,13 +257,12 @@ def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     On a CPU with AVX-512 (float32 rows): ``models.attention_kernel``, every row computed alone.
     Otherwise, rows before ``LONG_CONTEXT``: torch's fused attention in float64 (GQA without repeating the
-    keys): any float64 summation order rounds to the same float32 (module docstring), and one
-    call does what eleven small ops did (71 against 158 us a layer for one row over 300 keys).
+    keys): any float64 summation order rounds to the same float32 (module docstring), in one
+    call where eleven small ops took twice as long.
     Rows from ``LONG_CONTEXT`` on: ``_float32_blocks``, exactly invariant by its fixed shapes.
-    Why the split: float64 over a long context reads twice the bytes and fell off a cliff here
-    (one row over 4,000 keys 1.3-4.0 ms a layer against 0.5-1.4 ms in float32 blocks, 12 rows
-    7.0 against 2.8 ms), while over a few hundred keys the float32 blocks' fixed shapes cost
-    twice the float64 call (0.16-0.24 against 0.08 ms for one row over 300 keys)."""
+    Why the split: float64 over a long context reads twice the bytes and is several times slower
+    than the float32 blocks there, while over a few hundred keys the blocks' fixed shapes cost
+    twice the float64 call (see docs/extraction.md, long prompts)."""
     if attention_kernel.usable(query, key):  # exactly invariant at any length, and faster
         return attention_kernel.attend(query, key, value, allowed, scale)
     kv = key.shape[2]
@@ -313,9 +308,9 @@ _REMEMBERED: dict[str, tuple[Any, Any, Any]] = {}
 def _remembered(purpose: str, allowed: torch.Tensor | None, shape_key: Any, build: Callable[[], Any]) -> Any:
     """``build()``, or what it returned last for the same ``allowed`` mask (the same tensor object,
     not modified since, or None for both) and ``shape_key``. Why: a forward hands one mask to every
-    layer (30 in the embedded model), and what the float32 path derives from it (row positions,
-    padded and folded masks over thousands of keys) cost about a tenth of a one-row forward over
-    3,900 positions when built again in each layer. The entry keeps a reference to the mask, so no
+    layer, and what the float32 path derives from it (row positions, padded and folded masks over
+    thousands of keys) is a noticeable share of a one-row long-context forward when built again
+    in each layer. The entry keeps a reference to the mask, so no
     new tensor can take over its identity while it is remembered."""
     key = (shape_key, None if allowed is None else (id(allowed), allowed._version))
     hit = _REMEMBERED.get(purpose)
@@ -353,15 +348,14 @@ def _float32_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     span = -(-seen // F32_KEY_BLOCK) * F32_KEY_BLOCK
     key, value = _key_span(key, span), _key_span(value, span)
     per_block = F32_QUERY_BLOCK
-    # Fold where it saves a third of the blocks or more (measured in whole forwards over 3,900
-    # positions: one row 1.60x, 4 rows 1.33x, 12 rows, 15 blocks against 18, 0.90x); in a batch
-    # grid only what fits one block (one call per block there).
+    # Fold where it saves a third of the blocks or more: smaller savings measured slower (see
+    # docs/extraction.md, long prompts); in a batch grid only what fits one block (one call per block there).
     if b == 1:
         folded, unfolded = kv_heads * -(-group * r // per_block), heads * -(-r // per_block)
         fold = 3 * folded <= 2 * unfolded
     else:
         fold = group * r <= per_block
-    fold = fold and FOLD_QUERY_HEADS and group > 1
+    fold = fold and group > 1
     repeat = group if fold else 1  # each row of the mask, once per query head folded beside it
     if fold:
         q, gqa = query.float().reshape(b, kv_heads, group * r, d), False

@@ -2,15 +2,15 @@
 takes several.
 
 Why hand-written: outside its matmuls and attention, a layer of the scripted decode loop
-(``models.native_decode``) was some thirty small torch ops on a few kilobytes each, a few
-microseconds of dispatch apiece: the two RMSNorms (a float64 copy, the square, the sum, the
-division, the rounding back, the epsilon, the reciprocal square root and two products) and the
-residual adds before them, the rotary embedding of q and k (two products, a roll, an add) and
-the cache writes of k and v with their views. ``kernels/layer_ops.cpp`` does each group in one
-pass with AVX-512:
+(``models.native_decode``) is some thirty small torch ops on a few kilobytes each, each paying
+its dispatch: the two RMSNorms (a float64 copy, the square, the sum, the division, the rounding
+back, the epsilon, the reciprocal square root and two products) and the residual adds before
+them, the rotary embedding of q and k (two products, a roll, an add) and the cache writes of k
+and v with their views (the gain is in docs/performance.md). ``kernels/layer_ops.cpp`` does
+each group in one pass with AVX-512:
 - ``row_variance``: a row's mean of squares, summed in float64 in one fixed order (two 8-lane
   accumulators, then a fixed tree of the lanes), divided by the width and rounded to float32:
-  each row alone, so exactly invariant with no odds (torch's float64 sum was invariant up to
+  each row alone, so exactly invariant with no odds (torch's float64 sum is invariant up to
   ~1e-8 odds a value);
 - ``add_rms_norm``: the residual add, that variance, then ``weight * (s * (1 / sqrt(var + eps)))``;
 - ``rope_store``: ``x cos + roll(x) signed_sin`` for q's and k's heads, k and v written into the
@@ -20,30 +20,21 @@ equal, bit for bit, to torch's ops), so the scripted loop keeps the bits of tran
 forward. Every CPU path of a batch-invariant model takes ``row_variance`` for its new rows
 (``invariant.float64_variance``), so every path of a process computes the same bits.
 
-Measured on a 2-core AMD EPYC (the decoder after a 300-token prompt, median of 25, alternated
-in one process, off / on): 1 token 7.80 / 6.28 ms, 4 tokens 10.36 / 8.58, 21 tokens 31.15 / 28.28.
-
 On by default wherever it builds (AVX-512 and a compiler, ``models.cpu_kernels``);
-``CONSTRAINED_SPEC_LAYER_KERNELS=off`` keeps torch's ops. The choice is made once per process.
+``RuntimeConfig.layer_kernels`` (``CONSTRAINED_SPEC_LAYER_KERNELS=off``) keeps torch's ops. One
+choice per process.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from . import cpu_kernels
 
-KERNEL_ENV = "CONSTRAINED_SPEC_LAYER_KERNELS"
-
-
-@functools.lru_cache(maxsize=1)
-def enabled() -> bool:
-    """Whether this process runs the layer kernels: not switched off, and built. Fixed at the
-    first call, so a model's forwards never mix the two paths."""
-    return cpu_kernels.switched_on(KERNEL_ENV) and cpu_kernels.build(
-        "layer_ops.cpp", cpu_kernels.AVX512, ("-ffp-contract=off",), warn=False)
+#: Whether this process runs the layer kernels: asked for (``RuntimeConfig.layer_kernels``, on by
+#: default) and built. Fixed at the first call, so a model's forwards never mix the two paths.
+enabled = cpu_kernels.ProcessChoice("layer_kernels", lambda: cpu_kernels.build(
+    "layer_ops.cpp", cpu_kernels.AVX512, ("-ffp-contract=off",), warn=False))
 
 
 def usable(x: torch.Tensor) -> bool:

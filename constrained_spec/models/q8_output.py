@@ -2,30 +2,27 @@
 int4 kernel where that cannot build.
 
 The tied embedding / output matrix (49,152 x 576) is Q8_0 in the GGUF: w = q d, q in -127..127,
-one fp16 scale d per 32 weights. torch has no CPU kernel for per-group int8 weights, so it
-used to run as the dequantized float32 matrix (113 MB read per row block; 8-10 ms of a
-one-token step here, the largest single op).
+one fp16 scale d per 32 weights. torch has no CPU kernel for per-group int8 weights, so as the
+dequantized float32 matrix it was the largest single op of a one-token step.
 
 **The VNNI kernel** (``kernels/q8_0_vnni.cpp``, the default where AVX-512 VNNI and a compiler are
 there, ``models.cpu_kernels``): each row's block of 32 activations is split into two int8 parts,
 x = dx (a + b / 254) with dx = max|x| / 127 (about 15 bits, where bfloat16 keeps 8), ``vpdpbusd``
 multiplies both with the stored weights exactly in int32, and the block adds ``d dx / 254 (254
-sum(q a) + sum(q b))`` in float32 with the file's fp16 d. No rounding of the logits. Every row
-runs the same instructions in the same order whatever rows are beside it: batch-invariant
-(tested). Measured on the embedded model's matrix (2-core AMD EPYC, median of 30): 0.81 / 0.89 /
-2.97 / 4.29 ms for 1 / 4 / 12 / 21 rows against 1.77 / 3.16 / 9.18 / 17.4 ms on the int4 pair;
-on 27 real final hidden states, the largest logit error against float64 0.0015 (int4 pair:
-0.26) and every argmax the exact one's (int4 pair: 26 of 27).
-``CONSTRAINED_SPEC_OUTPUT_KERNEL=torch`` keeps the int4 pair.
+sum(q a) + sum(q b))`` in float32 with the file's fp16 d. No rounding of the logits, so its
+argmax is the exact one's where the int4 pair's can flip, and it is faster than the pair at
+every row count (see docs/performance.md). Every row runs the same instructions in the same
+order whatever rows are beside it: batch-invariant (tested). ``RuntimeConfig.output_kernel``
+(``CONSTRAINED_SPEC_OUTPUT_KERNEL=torch``) keeps the int4 pair.
 
 **The int4 pair** (any CPU): with u = q + 128 = 16 h + l (nibbles h, l in 0..15), w = 16 d (h - 8)
 + [d (l - 8) + 8 d]: two int4 matrices with group scales and zeros in the form the int4 kernel
-takes (w = (q4 - 8) s + z), 28 MB in all, no float32 copy read (``benchmarks/q8_split_probe.py``:
-4.3 against 8.1 ms for one row with the caches cold). The kernel takes bfloat16 activations and
-scales and returns bfloat16 (as for every Q4_1 layer on torch's kernel, ``models.int4``), so a
-logit is rounded to 8 significant bits: up to 0.06 for logits of 16-32, and a near-tie of two
-tokens closer than that can flip (``constrained-spec bench --precision native-exact,native``).
-Like every layer on the int4 kernel it computes each output row alone: batch-invariant as it is.
+takes (w = (q4 - 8) s + z), 28 MB in all, no float32 copy read. The kernel takes bfloat16
+activations and scales and returns bfloat16 (as for every Q4_1 layer on torch's kernel,
+``models.int4``), so a logit is rounded to 8 significant bits: up to 0.06 for logits of 16-32,
+and a near-tie of two tokens closer than that can flip (``constrained-spec bench --precision
+native-exact,native``). Like every layer on the int4 kernel it computes each output row alone:
+batch-invariant as it is.
 
 ``precision="native-exact"`` keeps the exact float32 matrix. ``weight`` stays the exact float32
 matrix either way (the input embedding shares it, and the logits path over a few allowed ids,
@@ -33,8 +30,6 @@ matrix either way (the input embedding shares it, and the logits path over a few
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -45,7 +40,6 @@ from .int4 import GROUP
 
 #: Bytes of one Q8_0 block: fp16 d, 32 int8 weights.
 Q8_0_BLOCK_BYTES = 34
-KERNEL_ENV = "CONSTRAINED_SPEC_OUTPUT_KERNEL"
 #: Output columns of one block of the VNNI layout (one AVX-512 register of float32).
 COLS = 16
 #: Version of ``pack_vnni``'s layout, in the name of the cached weights (a change must not load old ones).
@@ -53,16 +47,16 @@ LAYOUT = 1
 _CPU_FLAGS = cpu_kernels.AVX512 + ("avx512_vnni",)
 
 
-def kernel() -> str:
-    """The output kernel new native models take: ``vnni`` (the default, where it builds) or
-    ``torch`` (the int4 pair); ``$CONSTRAINED_SPEC_OUTPUT_KERNEL`` picks, and a value other than
-    those two is refused by name. Asked for by name and unable to build: a warning says why."""
-    value = os.environ.get(KERNEL_ENV, "").strip().lower()
-    if value not in ("", "vnni", "torch"):
-        raise ValueError(f"Invalid {KERNEL_ENV}={value!r}: use 'vnni' (the default where it builds) or 'torch'.")
-    if value == "torch":
+def kernel(asked: str | None = None) -> str:
+    """The output kernel a new native model takes for ``RuntimeConfig.output_kernel`` ``asked``:
+    ``vnni`` (None or "vnni": where it builds) or ``torch`` (the int4 pair). Asked for by name
+    and unable to build: a warning says why."""
+    if asked not in (None, "vnni", "torch"):
+        raise ValueError(f"Unknown output kernel {asked!r}: use 'vnni' or 'torch'.")
+    if asked == "torch":
         return "torch"
-    return "vnni" if cpu_kernels.build("q8_0_vnni.cpp", _CPU_FLAGS, ("-mavx512vnni",), warn=value == "vnni") else "torch"
+    built = cpu_kernels.build("q8_0_vnni.cpp", _CPU_FLAGS, ("-mavx512vnni",), warn=asked == "vnni")
+    return "vnni" if built else "torch"
 
 
 def pack_vnni(q: np.ndarray, d: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

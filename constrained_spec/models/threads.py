@@ -3,11 +3,10 @@ processes on our cores are doing.
 
 Each op of a forward is a parallel region over torch's threads, and a region ends when its
 slowest thread does. With another process busy on one of two cores, one of our two threads gets
-that core in scheduler slices, every region waits for it, and the waiting thread spins: measured
-here (2 cores, embedded model, two extraction prompts), a request took 3.4x as long as alone
-beside one busy core and 3.35x beside a second torch process, where one thread took 1.16x and
-1.7x. Alone, one thread costs only 1.06x (target-only; 1.33x speculative): a forward of this
-model is bound by memory traffic and small ops more than by arithmetic.
+that core in scheduler slices, every region waits for it, and the waiting thread spins: a
+request took several times as long as alone, where one thread costs little (a forward of a
+small model is bound by memory traffic and small ops more than by arithmetic; the figures are
+in docs/performance.md, "Sharing the machine").
 
 So ``ThreadGovernor`` samples, every ``interval`` seconds, the busy time of the cores this process
 may run on (``/proc/stat``) less this process's own CPU time, and gives torch the cores the others
@@ -15,15 +14,14 @@ leave free (at least one, at most the thread count torch started with). Forwards
 bits at any thread count (the int4 kernel computes each output alone, attention parallelizes
 over heads, the float64 reductions round to float32; tested), so changing it mid-request changes
 speed only. The one exception is the dense matmul of prompt rows (``models.int4``): oneDNN and
-MKL split a matmul's reduction by the thread count for some shapes (seen on an Intel Xeon with
-AMX: a 300-row bfloat16 prompt segment through the 576 x 1536 down projection, and the same in
-float32 from 128 rows; 2026-12-04), so a prompt's keys, and with them the output, changed with
-the load the governor saw. Those matmuls run at ``dense_threads()``, one count for the life of
-the process, whatever the governor chose: a request's output never depends on the machine's
-load (tested).
+MKL split a matmul's reduction by the thread count for some shapes, so a prompt's keys, and with
+them the output, would change with the load the governor saw. Those matmuls run at
+``dense_threads()``, one count for the life of the process, whatever the governor chose: a
+request's output never depends on the machine's load (tested).
 
-``CONSTRAINED_SPEC_THREADS``: "auto" (the default) as above; a number fixes the thread count
-(an operator who pins processes to cores); "off" leaves torch's setting alone.
+``RuntimeConfig.threads`` (``CONSTRAINED_SPEC_THREADS``): "auto" (the default) as above; a number
+fixes the thread count (an operator who pins processes to cores); "off" leaves torch's setting
+alone. One choice per process: the first load's (``request_threads``).
 """
 
 from __future__ import annotations
@@ -35,13 +33,12 @@ from typing import Callable
 
 import torch
 
-from ..errors import InvalidOptionError
+from .. import config
 
-THREADS_ENV = "CONSTRAINED_SPEC_THREADS"
-#: Seconds between two samples of the machine's load (a sample reads /proc/stat: ~30 us).
+#: Seconds between two samples of the machine's load (a sample reads /proc/stat, a few microseconds).
 INTERVAL = 0.25
-#: Free cores are rounded up from this fraction: 1.4 free cores (a neighbour busy 60% of the
-#: time) still gives 1 thread, 1.7 gives 2.
+#: Free cores are rounded up from this fraction: 1.4 free cores (a neighbour busy three fifths
+#: of the time) still gives 1 thread, 1.7 gives 2.
 ROUND_UP_FROM = 0.65
 
 
@@ -129,7 +126,7 @@ class ThreadGovernor:
 
 
 class _Fixed:
-    """A fixed thread count (``CONSTRAINED_SPEC_THREADS=N``), or none at all ("off")."""
+    """A fixed thread count (``RuntimeConfig.threads=N``), or none at all ("off")."""
 
     def __init__(self, threads: int | None) -> None:
         if threads is not None:
@@ -141,22 +138,24 @@ class _Fixed:
 
 
 _GOVERNOR: ThreadGovernor | _Fixed | None = None
+_ASKED: list[str | int] = []  # the first load's RuntimeConfig.threads, until the governor is made
+
+
+def request_threads(threads: str | int) -> None:
+    """Ask for the governor of ``RuntimeConfig.threads`` ``threads`` ("auto", "off" or a count);
+    a no-op once one was asked for or made. ``load_model`` asks; ``thread_governor`` makes it."""
+    config.RuntimeConfig(threads=threads)  # checked as every setting is (RuntimeConfigError)
+    if _GOVERNOR is None and not _ASKED:
+        _ASKED.append(threads)
 
 
 def thread_governor() -> ThreadGovernor | _Fixed:
-    """The process's governor, made on first use from ``CONSTRAINED_SPEC_THREADS``."""
+    """The process's governor, made on first use from what the first load asked for
+    (``request_threads``) or, before any load, from the environment (``config.read``)."""
     global _GOVERNOR
     if _GOVERNOR is None:
-        value = os.environ.get(THREADS_ENV, "auto").strip().lower()
-        if value in ("", "auto"):
-            _GOVERNOR = ThreadGovernor()
-        elif value == "off":
-            _GOVERNOR = _Fixed(None)
-        elif value.isdigit() and int(value) > 0:
-            _GOVERNOR = _Fixed(int(value))
-        else:
-            raise InvalidOptionError(f"Invalid {THREADS_ENV}: expected 'auto', 'off' or a positive thread count, "
-                                     f"got {value!r}.")
+        value = _ASKED.pop() if _ASKED else config.read("threads")
+        _GOVERNOR = ThreadGovernor() if value == "auto" else _Fixed(None if value == "off" else value)
     return _GOVERNOR
 
 
