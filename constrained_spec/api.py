@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
 from .constraint.validator import compiled_pattern, output_validator
-from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for
+from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for, recent_estimates
 from .decoding.prefix import MIN_PREFIX, shared_prefix_length
 from .drafters import Drafter, build_drafter
 from .drafters.corpus import OutputCorpus, corpus_in, has_corpus
@@ -177,7 +177,8 @@ def prepare_request(handle: ModelHandle, draft: DraftSource | None, compiled: Co
                             temperature=opts.temperature, source_text=prompt)
     profile, k_max = opts.resolve_k_max(task)
     policy = opts.k_policy(k_max, profile=profile, precision=handle.precision, model=handle.name,
-                           drafters=drafter.signature if drafter is not None else "")
+                           drafters=drafter.signature if drafter is not None else "",
+                           estimates=recent_estimates(handle))
     return RequestParts(prompt_ids, matcher, drafter, policy, profile, prefix_len)
 
 

@@ -107,11 +107,13 @@ def _constraint_cache_mb(raw: str | None) -> float:
     return value
 
 
-def _profile(raw: str | None) -> str | None:
-    from .decoding.profiles import K_MAX_PROFILES  # here: decoding imports the models, which import this
+#: The hardware profiles ``decoding.profiles`` holds a K_max table for (it checks it holds these).
+HARDWARE_PROFILES: tuple[str, ...] = ("a100-80gb", "cpu", "gb200-nvl72", "h100-80gb", "h100-80gb-x8")
 
-    if raw and raw not in K_MAX_PROFILES:
-        raise _Refused(f"one of {_quoted(tuple(sorted(K_MAX_PROFILES)))} (default: detected from the device)")
+
+def _profile(raw: str | None) -> str | None:
+    if raw and raw not in HARDWARE_PROFILES:
+        raise _Refused(f"one of {_quoted(HARDWARE_PROFILES)} (default: detected from the device)")
     return raw or None
 
 
@@ -276,9 +278,7 @@ class RuntimeConfig:
 
 
 def _known_profile(profile: str) -> bool:
-    from .decoding.profiles import K_MAX_PROFILES
-
-    return profile in K_MAX_PROFILES
+    return profile in HARDWARE_PROFILES
 
 
 assert {f.name for f in fields(RuntimeConfig)} == set(_BY_FIELD), "one Setting per RuntimeConfig field"

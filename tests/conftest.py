@@ -42,22 +42,6 @@ def smol_tokenizer(smol):
     return smol.tokenizer
 
 
-@pytest.fixture(autouse=True)
-def _fresh_k_estimates():
-    """Each test starts from the K policy's priors: the acceptance and cost estimates that
-    recent requests pass on to new ones are process-wide, so without this a test's K choices
-    would depend on which tests ran before it."""
-    from constrained_spec.decoding import kpolicy
-
-    from constrained_spec.drafters import head
-
-    kpolicy._RECENT_ALPHA.clear()  # in place: tests import these dicts by name
-    kpolicy._RECENT_CURVE.clear()
-    kpolicy._RECENT_CONFIDENCE.clear()
-    kpolicy._RECENT_ASK_GAIN.clear()
-    head._RECENT_TIMINGS.clear()
-
-
 @pytest.fixture(params=["kernel", "float64"])
 def attention_path(request, monkeypatch):
     """Each batch-invariant attention path for new rows (``models.invariant.attend_new_rows``):

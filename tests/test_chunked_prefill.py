@@ -59,8 +59,8 @@ def _reference(smol, compiled, prompt, cache=None, prefix_len=None):
                              k_policy=FixedK(6), max_new_tokens=24, prefix_cache=cache, prefix_len=prefix_len)
     dec.begin()
     plan = dec.plan()
-    logits = dec._forward(plan.tokens, plan.rows, plan.first, plan.subsets, plan.chunks)
-    dec._store(plan.chunks)  # as its step does
+    logits = dec._verify_forward(plan)[0]
+    dec.store_prompt_blocks(plan.chunks, dec._cache_block)  # as its step does
     keys = [layer.keys[0].clone() for layer in dec.cache.layers]
     m2 = compiled.matcher()
     out = decode(smol.model, m2, prompt, drafter=build_drafter("auto", m2, smol.tokenizer), k_policy=FixedK(6),
@@ -127,7 +127,7 @@ def test_cached_blocks_equal_cold_ones_bit_for_bit(smol, small_chunks):
     warm.begin()
     assert warm.stats.prefix_cached_tokens == shared // CHUNK * CHUNK > 2 * CHUNK
     plan = warm.plan()
-    warm._forward(plan.tokens, plan.rows, plan.first, plan.subsets, plan.chunks)
+    warm._verify_forward(plan)
     assert all(torch.equal(layer.keys[0], k) for layer, k in zip(warm.cache.layers, cold_keys))
 
     engine = BatchEngine(smol.model, max_batch=2, prefix_cache=cache)

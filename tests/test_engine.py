@@ -397,3 +397,24 @@ def test_adaptive_rows_are_cut_to_the_budget_and_still_equal_single_requests(smo
     list(engine.run())
     assert all(r.result.tokens == ref.tokens for r, ref in zip(reqs, refs))
     assert all(max(r.result.stats.ks) < 12 for r in reqs)  # cut below the 12 drafts each row proposed
+
+
+def test_the_engine_composes_a_scheduler_that_decides_and_a_runner_that_runs():
+    """Policy apart from mechanism: admission, KV accounting, prefill turns and the draft budget
+    are the scheduler's, the row cache and the packed forward the runner's; the engine's own
+    names reach the same objects, and a prefix cache set on the engine is the one its
+    scheduler dedupes prompt blocks against."""
+    from constrained_spec.batching.runner import StepRunner
+    from constrained_spec.batching.scheduler import Scheduler
+    from constrained_spec.decoding.prefix import PrefixCache
+
+    engine = BatchEngine(tiny_llama(MODEL_VOCAB, seed=2), max_batch=3, prefix_cache=False, kv_memory=2**30)
+    assert isinstance(engine.scheduler, Scheduler) and isinstance(engine.runner, StepRunner)
+    assert engine.active is engine.scheduler.active and engine.waiting is engine.scheduler.waiting
+    assert engine.cache is engine.runner.cache and engine.step_tokens is engine.runner.step_tokens
+    assert (engine.max_batch, engine.kv_memory, engine.prefix_cache) == (3, 2**30, None)
+    cache = PrefixCache()
+    engine.prefix_cache = cache
+    assert engine.scheduler.prefix_cache is cache
+    assert not any(hasattr(engine.runner, name) for name in ("waiting", "active", "prefill_turn", "budget"))
+    assert not any(hasattr(engine.scheduler, name) for name in ("cache", "run", "target"))

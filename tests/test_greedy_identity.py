@@ -77,13 +77,13 @@ def test_skipping_rows_of_single_token_states_changes_nothing(smol, models, prom
     target, draft = models
     compiled = constraint_for("schemas/invoice.json", smol)
     kept: list[int] = []
-    real_forward = SpeculativeDecoder._forward
+    real_forward = SpeculativeDecoder._verify_forward
 
-    def counting_forward(self, ids, rows, first=0, subsets=None, chunks=()):
-        kept.append(len(rows))
-        return real_forward(self, ids, rows, first, subsets, chunks)
+    def counting_forward(self, plan):
+        kept.append(len(plan.rows))
+        return real_forward(self, plan)
 
-    monkeypatch.setattr(SpeculativeDecoder, "_forward", counting_forward)
+    monkeypatch.setattr(SpeculativeDecoder, "_verify_forward", counting_forward)
     def run():
         m = compiled.matcher()
         return decode(target, m, prompt, drafter=LookupDrafter(m), k_policy=FixedK(4), temperature=temperature,

@@ -10,6 +10,7 @@ import torch
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
 from constrained_spec.decoding import FixedK, decode
 from constrained_spec.drafters.head import DraftHead, HeadConfig, HeadDrafter, default_taps, load_head
+from constrained_spec.drafters.order import DraftOrder
 from constrained_spec.errors import ModelLoadError, TokenizerMismatchError
 from tests.conftest import tiny_llama
 from tests.test_exactness import EOS, MODEL_VOCAB, N_CONTROL, PATTERN, PROMPT, TOKENS, exact_law, sample_pvalue
@@ -423,13 +424,14 @@ def test_a_head_that_does_not_pay_is_not_drafted():
     from constrained_spec.decoding import AdaptiveK
 
     policy = AdaptiveK(8)
-    assert policy.draft_room([], "head", 4, 0.0) >= 1  # the prior: a head token pays
-    assert FixedK(3).draft_room(["grammar"], "head", 2, 1.0) == 2
+    order = DraftOrder(policy)
+    assert order.draft_room([], "head", 4, 0.0) >= 1  # the prior: a head token pays
+    assert DraftOrder(FixedK(3).estimates).draft_room(["grammar"], "head", 2, 1.0) == 2
     for _ in range(20):  # the head's tokens were always rejected: none is worth drafting
         policy.update(["head", "head"], 0, None, 0.0)
-    assert policy.draft_room([], "head", 4, 0.0) == 0
+    assert order.draft_room([], "head", 4, 0.0) == 0
     # After a long forced span, one more costly token adds little: fewer are drafted.
-    fresh = AdaptiveK(8)
+    fresh = DraftOrder(AdaptiveK(8))
     assert fresh.draft_room(["grammar"] * 6, "head", 4, 0.0) <= fresh.draft_room([], "head", 4, 0.0)
 
 
@@ -448,11 +450,12 @@ def test_a_head_token_is_weighed_at_its_confidence_and_gated_before_it_is_drawn(
         policy.update(["head"], 0, None, 0.0, [0.6])  # unsure: rejected
     assert policy.alpha_at("head", 0.97) > 0.9 and policy.alpha_at("head", 0.6) < 0.1
     assert policy.alpha_at("head+", 0.99) > 0.9
-    gate = policy.costly_gate([], None, "head", 0.0)
+    order = DraftOrder(policy)
+    gate = order.costly_gate([], None, "head", 0.0)
     assert gate(0.97) and gate(0.99)  # a confident run goes on
-    refused = sum(not policy.costly_gate([], None, "head", 0.0)(0.6) for _ in range(16))
+    refused = sum(not order.costly_gate([], None, "head", 0.0)(0.6) for _ in range(16))
     assert 12 <= refused < 16  # refused, but probed now and then
-    assert FixedK(3).costly_gate([], None, "head", 0.0)(0.01)
+    assert DraftOrder(FixedK(3).estimates).costly_gate([], None, "head", 0.0)(0.01)
     assert policy.trim(["head", "head"], [0.97, 0.99]) == 2
     assert policy.trim(["head", "head"], [0.6, 0.99]) <= 1  # stops at the unsure first (a probe may keep it)
 
@@ -495,71 +498,65 @@ def test_the_head_drafts_before_lookup_only_where_lookup_is_mostly_rejected():
     from constrained_spec.decoding import AdaptiveK
 
     policy = AdaptiveK(8, deterministic=True)  # priors only: no timings, nothing from other requests
-    assert not policy.prefers_costly([], "lookup", "head", 0.0)  # prior: lookup 0.5, head 0.6 - its cost
-    assert not FixedK(3).prefers_costly([], "lookup", "head", 0.0)
+    order = DraftOrder(policy)
+    assert not order.prefers_costly([], "lookup", "head", 0.0)  # prior: lookup 0.5, head 0.6 - its cost
+    assert not DraftOrder(FixedK(3).estimates).prefers_costly([], "lookup", "head", 0.0)
     for _ in range(20):  # lookup's spans were rejected at their first token
         policy.update(["lookup", "lookup"], 0, None, 0.0)
-    assert policy.prefers_costly([], "lookup", "head", 0.0)
-    assert not policy.prefers_costly([], "grammar", "head", 0.0)  # forced text is not overtaken
+    assert order.prefers_costly([], "lookup", "head", 0.0)
+    assert not order.prefers_costly([], "grammar", "head", 0.0)  # forced text is not overtaken
     for _ in range(40):  # now they are right
         policy.update(["lookup"], 1, None, 0.0)
-    assert not policy.prefers_costly([], "lookup", "head", 0.0)
+    assert not order.prefers_costly([], "lookup", "head", 0.0)
 
 
-def test_a_preferred_head_drafts_where_lookup_could_and_the_output_is_unchanged(setup):
-    """With a budget that puts the head first, its tokens lead the proposal although lookup
+def test_a_preferred_head_drafts_where_lookup_could_and_the_output_is_unchanged(setup, monkeypatch):
+    """With an order that puts the head first, its tokens lead the proposal although lookup
     has one there, and greedy output stays the target-only output."""
     from constrained_spec.drafters import LookupDrafter
     from constrained_spec.drafters.hybrid import HybridDrafter
 
     _, compiled, target, head = setup
-
-    class HeadFirst(FixedK):
-        def prefers_costly(self, kinds, free_kind, costly_kind, seconds_per_token):
-            return True
-
     prompt = [1, 3, 1, 3, 1, 3, 1]  # a repeating prompt: lookup always has a span to offer
     ref = decode(target, compiled.matcher(), prompt, max_new_tokens=16)
     kinds = {}
-    for policy in (FixedK(4), HeadFirst(4)):
+    for name in ("FixedK", "HeadFirst"):
+        if name == "HeadFirst":
+            monkeypatch.setattr(DraftOrder, "prefers_costly", lambda self, *args: True)
         m = compiled.matcher()
         res = decode(target, m, prompt, drafter=HybridDrafter([LookupDrafter(m), HeadDrafter(head, m)]),
-                     k_policy=policy, max_new_tokens=16)
+                     k_policy=FixedK(4), max_new_tokens=16)
         assert res.tokens == ref.tokens
-        kinds[type(policy).__name__] = res.stats.per_kind
+        kinds[name] = res.stats.per_kind
     assert kinds["HeadFirst"].get("head", {}).get("drafted", 0) > kinds["FixedK"].get("head", {}).get("drafted", 0)
     assert kinds["HeadFirst"].get("lookup", {}).get("drafted", 0) < kinds["FixedK"].get("lookup", {}).get("drafted", 0)
 
 
-def test_the_hybrid_gates_its_head_and_the_head_alone_gates_itself(setup):
-    """A budget whose gate refuses every head token leaves the head out of the hybrid's drafts
+def test_the_hybrid_gates_its_head_and_the_head_alone_gates_itself(setup, monkeypatch):
+    """An order whose gate refuses every head token leaves the head out of the hybrid's drafts
     and of its own (drafting alone); one that refuses to ask it never runs the head at all
     (no time spent, nothing in its cache); the output stays the target-only output every way."""
     from constrained_spec.drafters import LookupDrafter
     from constrained_spec.drafters.hybrid import HybridDrafter
 
     _, compiled, target, head = setup
-
-    class Shut(FixedK):
-        def costly_gate(self, kinds, confidence, kind, seconds_per_token):
-            return lambda c: False
-
-    class NotAsked(FixedK):
-        def worth_asking(self, kind, seconds_per_ask):
-            return False
-
+    orders = {"FixedK": {}, "Shut": {"costly_gate": lambda self, *args: (lambda c: False)},
+              "NotAsked": {"worth_asking": lambda self, *args: False}}
     prompt = [6, 6, 6, 1]  # lookup has nothing here: the head is asked
     ref = decode(target, compiled.matcher(), prompt, max_new_tokens=16)
     drafted, ran = {}, {}
-    for policy in (FixedK(4), Shut(4), NotAsked(4)):
+    for name, overrides in orders.items():
         for alone in (False, True):
-            m = compiled.matcher()
-            part = HeadDrafter(head, m)
-            drafter = part if alone else HybridDrafter([LookupDrafter(m), part])
-            res = decode(target, m, prompt, drafter=drafter, k_policy=policy, max_new_tokens=16)
+            with monkeypatch.context() as patch:
+                for method, replacement in overrides.items():
+                    patch.setattr(DraftOrder, method, replacement)
+                m = compiled.matcher()
+                part = HeadDrafter(head, m)
+                drafter = part if alone else HybridDrafter([LookupDrafter(m), part])
+                res = decode(target, m, prompt, drafter=drafter, k_policy=FixedK(4), max_new_tokens=16)
             assert res.tokens == ref.tokens
-            drafted[(type(policy).__name__, alone)] = res.stats.per_kind.get("head", {}).get("drafted", 0)
-            ran[(type(policy).__name__, alone)] = part.seconds > 0 or part.fed > 0
+            drafted[(name, alone)] = res.stats.per_kind.get("head", {}).get("drafted", 0)
+            ran[(name, alone)] = part.seconds > 0 or part.fed > 0
     assert drafted[("FixedK", False)] > 0 and drafted[("FixedK", True)] > 0
     assert drafted[("Shut", False)] == 0 and drafted[("Shut", True)] == 0
     assert ran[("Shut", False)] and ran[("Shut", True)]  # asked, then refused token by token
@@ -586,10 +583,10 @@ def test_the_hybrid_asks_its_free_parts_most_likely_first(setup):
     hybrid = HybridDrafter([Named(m, "grammar"), Named(m, "copy"), Named(m, "lookup"), HeadDrafter(head, m)])
     names = lambda kinds: [p.name for p in hybrid._order(kinds)]  # noqa: E731
     assert names([]) == ["grammar", "copy", "lookup", "head"]
-    hybrid.set_draft_budget(FixedK(4))
+    hybrid.set_estimates(FixedK(4).estimates)
     assert names([]) == ["grammar", "copy", "lookup", "head"]
     policy = AdaptiveK(8, deterministic=True)  # priors: grammar 0.85, copy 0.6, lookup 0.5, head 0.6 less 0.15
-    hybrid.set_draft_budget(policy)
+    hybrid.set_estimates(policy.estimates)
     assert names([]) == ["grammar", "copy", "lookup", "head"]
     assert names(["lookup"]) == ["grammar", "lookup", "copy", "head"]  # "lookup+" 0.75 continues its span
     for _ in range(20):  # copies rejected at their first token

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from constrained_spec import ModelHandle, generate_json
-from constrained_spec.decoding.kpolicy import _RECENT_ALPHA, _RECENT_CURVE, AdaptiveK, FixedK, _CurveFit, optimal_k
+from constrained_spec.decoding.estimates import RecentEstimates, recent_estimates
+from constrained_spec.decoding.kpolicy import AdaptiveK, FixedK, _CurveFit, optimal_k
+from constrained_spec.drafters.base import Draft
+from constrained_spec.drafters.order import DraftOrder
 from constrained_spec.decoding.profiles import K_MAX_PROFILES, PROFILE_ENV, detect_profile, k_max_for, profile_for_device
 from tests.conftest import tiny_llama
 
@@ -71,19 +74,21 @@ def test_a_cheap_linear_cost_lets_a_head_draft_where_the_concave_prior_refused()
     """The native profile's prior (linear, +0.11 per token) against the concave r = 0.4 that long
     forced spans' passes gave: a head at its prior acceptance 0.6 and cost 0.15 drafts two tokens
     under the first, at most one under the second; a fitted curve is passed on with its shape."""
-    linear = AdaptiveK(12, cost_shape="linear", cost_prior=0.11)
+    recent = RecentEstimates()
+    linear = AdaptiveK(12, cost_shape="linear", cost_prior=0.11, recent=recent)
     concave = AdaptiveK(12, cost_shape="concave", cost_prior=0.4)
-    assert linear.draft_room([], "head", 4, 0.0) >= 2
-    assert concave.draft_room([], "head", 4, 0.0) <= 1
+    assert DraftOrder(linear).draft_room([], "head", 4, 0.0) >= 2
+    assert DraftOrder(concave).draft_room([], "head", 4, 0.0) <= 1
     for k in [1, 4, 12, 20] * 3:
         linear.update(["grammar"] * k, k, 0.08 * (1 + 0.11 * k), 0.0)
-    assert _RECENT_CURVE[""][0] == "linear" and _RECENT_CURVE[""][1] == pytest.approx(0.11, rel=0.1)
-    assert AdaptiveK(12)._curve.best_shape() == "linear"  # the next request starts from it
+    assert recent.curve[""][0] == "linear" and recent.curve[""][1] == pytest.approx(0.11, rel=0.1)
+    assert AdaptiveK(12, recent=recent)._curve.best_shape() == "linear"  # the next request starts from it
+    assert AdaptiveK(12)._curve.best_shape() == "concave"  # one that shares no estimates does not
 
 
 def test_adaptive_estimates_follow_acceptance():
-    _RECENT_ALPHA.clear()
-    policy = AdaptiveK(k_max=8, costly_draft=True)
+    recent = RecentEstimates()
+    policy = AdaptiveK(k_max=8, costly_draft=True, recent=recent)
     start = policy.alpha("model+")
     for _ in range(30):
         policy.update(["model"] * 4, 0, 0.05, 0.02)
@@ -93,18 +98,34 @@ def test_adaptive_estimates_follow_acceptance():
         policy.update(["model"] * 4, 4, 0.05, 0.001)
     assert policy.alpha("model+") > 0.8
     assert policy.next_k() > 0
-    assert _RECENT_ALPHA[""]["model+"] == pytest.approx(policy.alpha("model+"))  # seeds the next request
-    assert AdaptiveK(k_max=8)._seed["model+"] == pytest.approx(policy.alpha("model+"))
+    assert recent.alpha[""]["model+"] == pytest.approx(policy.alpha("model+"))  # seeds the next request
+    assert AdaptiveK(k_max=8, recent=recent)._seed["model+"] == pytest.approx(policy.alpha("model+"))
     # Only requests with the same drafters: another configuration starts from the prior.
-    assert AdaptiveK(k_max=8, history_key="other")._seed["model+"] == pytest.approx(0.6)
-    _RECENT_ALPHA.clear()
+    assert AdaptiveK(k_max=8, history_key="other", recent=recent)._seed["model+"] == pytest.approx(0.6)
+
+
+def test_two_handles_do_not_share_estimates(smol_tokenizer):
+    """What requests learn stays with the object that owns the estimates: requests on one handle
+    seed each other, a second handle (or an engine given its own) starts from the priors, and
+    a policy given none shares with nobody, so no test needs clearing anything."""
+    first = ModelHandle(tiny_llama(64, seed=1), smol_tokenizer, "tiny")
+    second = ModelHandle(tiny_llama(64, seed=1), smol_tokenizer, "tiny")
+    assert recent_estimates(first) is recent_estimates(first) is first.estimates
+    assert recent_estimates(second) is not recent_estimates(first)
+    policy = AdaptiveK(k_max=8, costly_draft=True, recent=recent_estimates(first))
+    for _ in range(30):
+        policy.update(["model"] * 4, 0, 0.05, 0.02)
+    assert AdaptiveK(k_max=8, recent=recent_estimates(first))._seed["model"] == pytest.approx(policy.alpha("model"))
+    assert AdaptiveK(k_max=8, recent=recent_estimates(second))._seed["model"] == pytest.approx(0.6)
+    assert AdaptiveK(k_max=8)._seed["model"] == pytest.approx(0.6)
+    assert not recent_estimates(second).alpha
 
 
 @pytest.mark.parametrize("alpha", [0.2, 0.5, 0.8, 0.95])
 def test_adaptive_k_for_a_draft_model_is_the_formula_when_alphas_agree(alpha):
     policy = AdaptiveK(k_max=10, costly_draft=True)
     policy._seed = {"model": alpha, "model+": alpha}
-    assert policy.next_k() == optimal_k(alpha, policy.c(), 10)
+    assert policy.next_k() == optimal_k(alpha, policy.cost_ratio(), 10)
 
 
 def test_fixed_k_verifies_everything():
@@ -150,11 +171,12 @@ def test_a_costly_draft_that_keeps_failing_is_probed_ever_more_rarely():
     are rejected, and after 8 again once one is accepted."""
     policy = AdaptiveK(12, cost_shape="linear", cost_prior=0.11)
     policy._seed["head"] = 0.05
+    order = DraftOrder(policy)
     probes, accept_from = [], 5
     for i in range(400):
-        if policy.draft_room([], "head", 4, 0.0):
+        if order.draft_room([], "head", 4, 0.0):
             probes.append(i)
-            policy.update(["head"], int(len(probes) > accept_from), None, 0.0)
+            learn(policy, order, ["head"], int(len(probes) > accept_from), None, 0.0)
     gaps = [b - a for a, b in zip([-1, *probes], probes)]
     assert gaps[:6] == [8, 16, 32, 64, 64, 64]
     assert gaps[6] == 8  # the 6th probe was accepted
@@ -166,26 +188,53 @@ def test_a_costly_drafter_is_asked_while_its_tokens_cost_less_than_the_steps_do(
     then, once its asks bring none, refused except every 8th (a probe); a seeded sampled
     request (no timings) always asks."""
     policy = AdaptiveK(12)
-    policy._ask_seed.clear()
+    order = DraftOrder(policy)
     for _ in range(10):
-        policy.update(["lookup"], 1, 0.010, 0.0)
-    assert policy._spent / policy._emitted == pytest.approx(0.005)
+        learn(policy, order, ["lookup"], 1, 0.010, 0.0)
+    spent, emitted = policy.step_price()
+    assert spent / emitted == pytest.approx(0.005)
     for i in range(20):  # each ask: a lookup token and a head token, the head's accepted every other time
-        assert policy.worth_asking("head", 0.001)
-        policy.update(["lookup", "head"], 1 + i % 2, 0.010, 0.0)
-    assert policy.ask_gain("head") > 0.2
+        assert order.worth_asking("head", 0.001)
+        learn(policy, order, ["lookup", "head"], 1 + i % 2, 0.010, 0.0)
+    assert order.ask_gain("head") > 0.2
     asked = []
     for i in range(120):  # now the head's asks bring nothing (the steps still emit 2 tokens)
-        if policy.worth_asking("head", 0.001):
+        if order.worth_asking("head", 0.001):
             asked.append(i)
-            policy.update(["lookup", "head"], 1, 0.010, 0.0)
-    assert policy._spent / policy._emitted == pytest.approx(0.005, rel=0.2)
-    assert policy.ask_gain("head") < 0.2
+            learn(policy, order, ["lookup", "head"], 1, 0.010, 0.0)
+    spent, emitted = policy.step_price()
+    assert spent / emitted == pytest.approx(0.005, rel=0.2)
+    assert order.ask_gain("head") < 0.2
     gaps = [b - a for a, b in zip(asked, asked[1:])]
     assert gaps[-5:] == [8] * 5
     assert len(asked) < 40
     seeded = AdaptiveK(12, deterministic=True)
+    seeded_order = DraftOrder(seeded)
     for _ in range(10):
-        seeded.update(["head"], 0, 0.010, 0.0)
-    assert all(seeded.worth_asking("head", 0.001) for _ in range(20))
-    assert FixedK(4).worth_asking("head", 1.0)
+        learn(seeded, seeded_order, ["head"], 0, 0.010, 0.0)
+    assert all(seeded_order.worth_asking("head", 0.001) for _ in range(20))
+    assert DraftOrder(FixedK(4).estimates).worth_asking("head", 1.0)
+
+
+def test_the_k_policy_only_chooses_k_and_the_order_passes_ask_gains_on():
+    """The ordering of a composite drafter's parts lives in its ``DraftOrder``, not in the K
+    policy; what an order learns about asking a head seeds the next request's order through the
+    same estimates object, and a seeded sampled request neither reads nor leaves any."""
+    for name in ("rank_free", "prefers_costly", "worth_asking", "costly_gate", "draft_room"):
+        assert not hasattr(AdaptiveK, name) and not hasattr(FixedK, name)
+    recent = RecentEstimates()
+    policy = AdaptiveK(8, recent=recent)
+    order = DraftOrder(policy)
+    for _ in range(5):
+        assert order.worth_asking("head", 0.001)
+        learn(policy, order, ["head"], 0, 0.010, 0.0)
+    assert recent.ask_gain[""]["head"] == pytest.approx(order.ask_gain("head"))
+    assert DraftOrder(AdaptiveK(8, recent=recent)).ask_gain("head") == pytest.approx(order.ask_gain("head"))
+    assert DraftOrder(AdaptiveK(8, recent=recent, deterministic=True)).ask_gain("head") == pytest.approx(0.5)
+
+
+def learn(policy, order, kinds, accepted, verify_seconds, draft_seconds, confidence=None):
+    """What a decoder's step teaches both: the order sees the verdict (as its drafter does),
+    the K policy its counts and timings."""
+    order.update(Draft([0] * len(kinds), [None] * (len(kinds) + 1), kinds=list(kinds), confidence=confidence), accepted)
+    policy.update(kinds, accepted, verify_seconds, draft_seconds, confidence)

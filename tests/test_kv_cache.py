@@ -65,8 +65,8 @@ def test_forced_language_and_one_token_prompt():
     for prompt in ([6], [6, 1, 2]):
         dec = SpeculativeDecoder(target, constraint.matcher(), prompt, k_policy=FixedK(0), max_new_tokens=10)
         rows: list[int] = []
-        real = dec._forward
-        dec._forward = lambda ids, keep, first=0, subsets=None, chunks=(): (rows.append(len(keep)), real(ids, keep, first, subsets, chunks))[1]
+        real = dec._verify_forward
+        dec._verify_forward = lambda plan: (rows.append(len(plan.rows)), real(plan))[1]
         for _ in dec.run():
             pass
         assert dec.output == [1, 2, 4, 1, 2] and dec.finished

@@ -9,7 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "constrained_spec"
 LAYERS = [
-    {"errors", "storage"},
+    {"errors"},
+    {"config"},  # the runtime configuration, read once at load
+    {"storage"},
     {"constraint"},
     {"drafters", "models", "remote"},  # the server client closes pydantic schemas as constraint does
     {"decoding"},

@@ -157,8 +157,8 @@ def test_a_joining_prompt_gets_its_own_first_pass_bit_for_bit(native, monkeypatc
         dec = _decoder(smol, compiled, prompt, prefix_len, cache)
         dec.begin()
         plan = dec.plan()
-        logits = dec._forward(plan.tokens, plan.rows, plan.first, plan.subsets, plan.chunks)
-        dec._store(plan.chunks)  # as its step does: the shared prefix's block for the next ones
+        logits = dec._verify_forward(plan)[0]
+        dec.store_prompt_blocks(plan.chunks, dec._cache_block)  # as its step does: the shared prefix's block for the next ones
         keys = [layer.keys[0].double() for layer in dec.cache.layers]
         reference.append((plan.tokens, logits, keys, len(plan.draft.tokens)))
         dec.close()

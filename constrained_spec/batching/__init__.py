@@ -1,7 +1,9 @@
 """The batch engine: many requests decoded together, one packed target forward a step.
 
-Data flow: ``engine`` admits requests and runs the steps, with each row's own drafters, K policy
-and verifier from ``constrained_spec.decoding``; ``packing`` lays every row's new tokens into one
+Data flow: ``engine`` composes a ``scheduler`` (policy: admission against the KV memory bound,
+prefill turns, the draft budget) and a ``runner`` (mechanism: packing, the forward, unpacking),
+with each row's own drafters, K policy and verifier from ``constrained_spec.decoding`` planning
+and finishing its step; ``packing`` lays every row's new tokens into one
 sequence and gives attention each row's own keys; ``cache`` holds the rows' keys and values on
 shelves bounded in bytes; ``budget`` prices a step so drafts and prompt chunks share it; ``heap``
 hands freed memory back to the operating system. The prompt-block prefix cache lives in

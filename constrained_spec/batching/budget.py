@@ -1,10 +1,9 @@
 """How many tokens a batched step verifies: the drafts with the most expected tokens per second.
 
 A batched step packs every row's tokens into one sequence (``batching.packing``), so a step
-costs what its ``N`` tokens cost, whichever rows they belong to. On this CPU a forward grows with
-its tokens (native precision, SmolLM2-135M, ~200 cached tokens per row: about 40 ms plus
-2.2 ms per token), so the room for drafts shrinks as the batch grows; on a GPU a forward stays
-flat far longer. Each step the engine keeps the draft tokens that maximize
+costs what its ``N`` tokens cost, whichever rows they belong to. On a CPU a forward grows with
+its tokens, so the room for drafts shrinks as the batch grows; on a GPU a forward stays flat
+far longer (see docs/performance.md). Each step the engine keeps the draft tokens that maximize
 
     sum_i E_i(k_i) / T(sum_i (1 + k_i)),   E_i(k) = 1 + sum_{j <= k} P_i(drafts 1..j accepted)
 
@@ -30,8 +29,8 @@ from dataclasses import dataclass, field
 
 from ..decoding.linefit import LineSums
 
-#: Prior (t0 seconds, t1 seconds per packed token) by (profile, precision), measured on the 2-core CPU.
-#: float32: the issue's measurement (31 ms + 1.7 ms per token in the batch).
+#: Prior (t0 seconds, t1 seconds per packed token) by (profile, precision): the fit of batched
+#: forwards on a 2-core CPU (see docs/performance.md), refitted online by each engine.
 BATCH_COST_PRIORS: dict[tuple[str, str], tuple[float, float]] = {
     ("cpu", "native"): (0.040, 0.0022),
     ("cpu", "native-exact"): (0.040, 0.0022),

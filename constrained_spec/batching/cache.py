@@ -14,16 +14,15 @@ positions, once per doubling, then once per 1,024 positions); a finished row's s
 by the shelf's last row, and a shelf's buffers shrink once they would be a quarter of what it
 holds and are freed when it empties. So memory is the rows' capacities summed (at most about
 twice the positions held, plus slot doubling), not every slot at the longest row's capacity:
-one 3,900-token document no longer sizes the slots of the short rows beside it.
+a long document does not size the slots of the short rows beside it.
 ``bytes_per_token`` is ``2 x layers x kv_heads x head_dim x dtype size`` (SmolLM2-135M in
 float32: 46 KiB, in float64 92 KiB).
 
 Why not fixed-size blocks from one pool with a block table per row (vLLM's paged attention,
 transformers' continuous-batching ``PagedAttentionCache``): torch has no attention over a
 block table on the CPU, so every layer of every step would gather each row's blocks into a
-dense copy first. Measured here (float64 keys and values, one layer, 4 queries a row): 16 rows
-of 500 positions attend in 2.4-3.8 ms over dense views and in 8.6 ms after the gather (the
-gather alone 3.5 ms, into a reused buffer); 64 rows, 15 ms against 38 ms. Shelves give most of
+dense copy first, which costs several times the attention itself (see docs/performance.md).
+Shelves give most of
 a pool's memory behaviour (a row holds about what it uses and gives it back when it leaves)
 while attention keeps reading views.
 

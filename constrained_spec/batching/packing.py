@@ -2,9 +2,9 @@
 
 A batched step's rows verify different numbers of tokens: one row a 12-token forced span,
 another its last token alone, a joining request its whole prompt. Right-padded to one width
-``w``, every linear layer, norm and the output projection would pay for ``b x w`` rows; on this
-CPU a forward grows about 2 ms per row (the int4 kernel computes each row on its own), so
-padding would cost what the drafts save. Packed, the model sees one sequence ``[1, N]`` of all
+``w``, every linear layer, norm and the output projection would pay for ``b x w`` rows; on a
+CPU a forward grows with every row (the int4 kernel computes each row on its own), so padding
+would cost what the drafts save. Packed, the model sees one sequence ``[1, N]`` of all
 rows' tokens, each at its own row's position (``position_ids``), and pays for the ``N`` tokens
 that are there; the output projection runs on the packed positions whose logits are read. The
 row cache writes each token's keys at its row's slot and position (``RowCache.packing``).
@@ -326,7 +326,7 @@ def _packed_attention(base: str) -> Any:
 
 def install_packed_attention(model: Any) -> None:
     """Let ``model``'s attention take ``packing=`` (in place, once): its implementation is wrapped
-    so that a forward without ``packing`` runs exactly as before."""
+    so that a forward without ``packing`` runs exactly as the unwrapped one."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 

@@ -3,6 +3,7 @@ prefix cache (shared with the batch engine in ``constrained_spec.batching``), th
 K policy and hardware profiles, and the options object."""
 
 from .decoder import SpeculativeDecoder, StepPlan, decode
+from .estimates import RecentEstimates, recent_estimates
 from .prefix import PrefixCache, prefix_cache_for
 from .kpolicy import AdaptiveK, FixedK, KPolicy, optimal_k
 from .options import DrafterName, SpecOptions
@@ -12,6 +13,6 @@ from .verifier import Verdict, verify_greedy, verify_sampled
 
 __all__ = [
     "AdaptiveK", "DecodeResult", "DecodeStats", "DrafterName", "FixedK", "KPolicy", "K_MAX_PROFILES",
-    "PrefixCache", "SpecOptions", "SpeculativeDecoder", "StepPlan", "Verdict", "decode", "detect_profile",
-    "optimal_k", "prefix_cache_for", "verify_greedy", "verify_sampled",
+    "PrefixCache", "RecentEstimates", "SpecOptions", "SpeculativeDecoder", "StepPlan", "Verdict", "decode", "detect_profile",
+    "optimal_k", "prefix_cache_for", "recent_estimates", "verify_greedy", "verify_sampled",
 ]

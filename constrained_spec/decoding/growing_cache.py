@@ -3,15 +3,14 @@ grows by doubling, instead of a concatenation per step.
 
 ``DynamicLayer.update`` concatenates the new keys to the old ones, so every step copies every
 layer's whole cache; and a batch-invariant model (``models.invariant``) then converted every
-layer's whole cache to float64 for its attention. On the embedded model at native precision
-with a 300-token context those two were about 6 ms of a 60-70 ms one-token step here, growing
-with the context. ``GrowingLayer`` writes the new positions into a preallocated buffer
+layer's whole cache to float64 for its attention: a cost that grows with the context (see
+docs/performance.md). ``GrowingLayer`` writes the new positions into a preallocated buffer
 (capacity doubling, so a request copies its cache O(log n) times, not once per step) and hands
 attention views of it; a rollback only lowers the length. With ``dtype=torch.float64`` (what
 the decoder asks for a batch-invariant model) the buffer holds exact float64 copies of the
 float32 keys, so each step converts only its new tokens; the prompt's attention gets float32
 back (``invariant_attention``), which is exact too. Bits are unchanged: the attention reads the
-same numbers as before (tested against ``DynamicCache``). The batch engine's cache is
+same numbers as ``DynamicCache`` gives it (tested). The batch engine's cache is
 ``batching.cache`` (one buffer for many rows).
 
 Memory: the buffer is at most twice the positions held, and float64 doubles the bytes (92 KiB

@@ -1,25 +1,23 @@
 """The logits a step reads, computed only over the tokens the constraint lets a position use.
 
-The vocabulary projection reads the whole output matrix (49,152 x 576 float32 for the embedded
-model: 113 MB, 15-21 ms of a 70 ms one-token step here, the largest single cost of a decode
-step) for every row it computes. Yet half or more of the positions whose logits a structured
-output reads allow only a few tokens: digits, an enum's values, ``true``/``false``, a comma or
-a closing bracket (counted here on the bench prompts: 83 of 183 unforced extraction positions
-and 88 of 127 generation positions allow at most 64 tokens). A row in such a state gets its
+The vocabulary projection reads the whole output matrix for every row it computes, the largest
+single cost of a decode step on the embedded model (see docs/performance.md). Yet many of the
+positions whose logits a structured output reads allow only a few tokens: digits, an enum's
+values, ``true``/``false``, a comma or a closing bracket. A row in such a state gets its
 logits from those rows of the matrix alone (``allowed_subset``), the others from the model's
 own output layer; a step whose rows are all small or forced skips the full projection.
 
 Exactness. Which path a row takes depends only on its constraint state (the number of tokens
 the state allows), never on K, the other rows or the batch, and a row on the subset path is
 computed alone, so a position's logits have the same bits in target-only decoding, in any
-verify pass and in any batch: greedy identity and the batch invariance hold as before. The
+verify pass and in any batch: greedy identity and the batch invariance hold on either path. The
 tokens outside the subset are the ones the mask sets to -inf anyway, so the masked law is the
 model's on the allowed tokens (up to the rounding of a different summation order).
 
 Models whose logits are more than a plain output layer of the final hidden state (a final
 softcap, a logit scale, another kind of layer, a hook on it) keep the full projection
 (``supports_subsets``), and so do models on a GPU: there the whole matrix is read in
-microseconds (49,152 x 576 bfloat16, 57 MB, at 4.8 TB/s), while each subset row is a transfer of
+microseconds, while each subset row is a transfer of
 its ids, a gather, a product and a copy back, each waiting on the last.
 """
 

@@ -15,7 +15,10 @@ from typing import Any, Literal
 
 from ..constraint import BACKENDS, DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS
 from ..drafters import DRAFTER_NAMES
+from ..drafters.base import DraftKind
+from ..drafters.order import COSTLY_KINDS
 from ..errors import InvalidOptionError
+from .estimates import RecentEstimates
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .profiles import K_MAX_PROFILES, k_max_for, verify_cost_prior
 
@@ -55,9 +58,8 @@ class SpecOptions:
 
     Policies from production practice and where they stand here: speculation is *not* switched
     off in batches (the batch engine speculates per row; forced and copied drafts cost a few rows
-    of a forward that runs anyway) nor for short outputs, because measurement says it pays even
-    there (the 34-token demo extraction: 1.65x); the adaptive policy drops to K = 0 on its own
-    when drafts stop landing.
+    of a forward that runs anyway) nor for short outputs, because it pays even there (see
+    docs/benchmarks.md); the adaptive policy drops to K = 0 on its own when drafts stop landing.
     """
 
     drafter: DrafterName = "auto"
@@ -131,20 +133,22 @@ class SpecOptions:
         return profile, self.k_max if self.k_max is not None else profile_k
 
     def k_policy(self, k_max: int, *, profile: str = "cpu", precision: str = "float32", model: str = "",
-                 drafters: str = "") -> KPolicy:
+                 drafters: str = "", estimates: RecentEstimates | None = None) -> KPolicy:
         """A fresh K policy for one request, capped at ``k_max`` (from ``resolve_k_max``); its
         cost prior is the profile's for the model's ``precision``, and it learns from earlier
-        requests on the same ``model`` and precision (its acceptance estimates, from those with
+        requests in ``estimates`` (the model handle's: ``recent_estimates(handle)``; None: from
+        none) on the same ``model`` and precision (its acceptance estimates, from those with
         the same ``drafters`` too: ``Drafter.signature``)."""
         if self.drafter == "none" or not self.adaptive:
             return FixedK(k_max)
         # A seeded sampled request must not depend on timings or on earlier requests.
         deterministic = self.seed is not None and self.temperature > 0
         shape, r = verify_cost_prior(profile, precision)
-        return AdaptiveK(k_max, costly_draft=self.drafter in ("model", "head"),
-                         costly_kind=self.drafter if self.drafter in ("model", "head") else "model", deterministic=deterministic,
+        costly = self.drafter in COSTLY_KINDS
+        return AdaptiveK(k_max, costly_draft=costly, costly_kind=DraftKind(self.drafter) if costly else DraftKind.MODEL,
+                         deterministic=deterministic,
                          cost_prior=r, cost_shape=shape, cost_key=f"{model}:{precision}",
-                         history_key=f"{model}:{precision}:{drafters}")
+                         history_key=f"{model}:{precision}:{drafters}", recent=estimates)
 
 
 def _is_int(value: Any) -> bool:

@@ -15,7 +15,7 @@ a batch-invariant model (native precision, GPUs):
   that ends at a fixed cut is kept as a *block* keyed by exactly those (``Chunk.key``), and any
   later prompt that starts with the same chunks reuses them, bit for bit: several schemas over
   one document (with the document first in the prompt), a conversation growing turn by turn, a
-  server's system prompt. ``prefix_len`` is no longer needed for reuse; it adds a cut where a
+  server's system prompt. ``prefix_len`` is not needed for reuse; it adds a cut where a
   shared part shorter than a chunk ends.
 
 A model that is not batch-invariant (float32 on the CPU: its linear layers see a forward's rows
@@ -39,8 +39,8 @@ import torch
 DEFAULT_MAX_BYTES = 256 * 2**20
 #: Shorter shared prefixes are not worth a cut of their own.
 MIN_PREFIX = 16
-#: Tokens per prompt chunk. On this CPU a 256-token chunk takes 0.6-1.2 s at native precision
-#: (more the more keys precede it): what a long prompt holds the batch for, at most, in one step.
+#: Tokens per prompt chunk: what a long prompt holds the batch for, at most, in one step (its
+#: cost on a CPU: see docs/performance.md).
 PREFILL_CHUNK = 256
 
 BlockKey = tuple[tuple[int, ...], tuple[int, ...]]
@@ -66,7 +66,7 @@ class Chunk:
 def prompt_chunks(tokens: list[int], prefix_len: int | None = None, size: int | None = None) -> list[Chunk]:
     """The chunks of ``tokens`` (a prompt without its last token; see the module docstring):
     cuts every ``size`` tokens (None: ``PREFILL_CHUNK``; 0: none, the prompt in one piece but
-    for its shared prefix, as before chunked prefill)."""
+    for its shared prefix)."""
     n = len(tokens)
     size = PREFILL_CHUNK if size is None else size  # read at call time: tests shrink it
     fixed = set(range(size, n + 1, size)) if size else set()

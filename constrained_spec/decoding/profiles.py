@@ -27,6 +27,7 @@ K_MAX_PROFILES: dict[str, dict[str, int]] = {
     # for free text the formula peaks at K = 3-4 (docs/changelog.md has the fixed-K runs).
     "cpu": {"text": 4, "code": 4, "json": 20, "chat": 4},
 }
+assert tuple(sorted(K_MAX_PROFILES)) == config.HARDWARE_PROFILES, "config.HARDWARE_PROFILES names every profile"
 
 #: Prior shape and r of the verify-cost curve t(K) = t0 (1 + r g(K)) by (profile, precision)
 #: (``kpolicy.CURVE_SHAPES``); the adaptive policy refits both online. Each prior is the curve

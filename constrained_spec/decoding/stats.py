@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..drafters.base import DraftKind
 
 
 @dataclass
@@ -75,6 +78,34 @@ class DecodeStats:
             rows.append([0, 0])
         rows[position][0] += 1
         rows[position][1] += int(accepted)
+
+    def record_step(self, kinds: Sequence[str], accepted: int, target_token: bool, output_tokens: int, *,
+                    draft_seconds: float, target_seconds: float, verify_seconds: float,
+                    constraint_seconds: float, step_seconds: float, since_start: float) -> None:
+        """Count one step: its drafted tokens (of ``kinds``), how many were ``accepted``, whether
+        the target supplied a recovered or bonus token (not EOS), the output length after it,
+        and the seconds of each phase (``since_start``: since the request started)."""
+        self.target_forwards += 1
+        self.drafted += len(kinds)
+        self.accepted += accepted
+        self.ks.append(len(kinds))
+        self.accepted_per_step.append(accepted)
+        run = 0
+        for i, kind in enumerate(kinds):
+            self.count_kind(kind, drafted=1, accepted=int(i < accepted))
+            run = run + 1 if i and kinds[i - 1] == kind else 0
+            if i <= accepted:  # examined: positions after the first rejection were never judged
+                self.count_position(kind, run, i < accepted)
+        if target_token:
+            self.count_kind(DraftKind.TARGET, accepted=1)
+        self.step_ends.append(since_start)
+        self.tokens_after_step.append(output_tokens)
+        self.draft_seconds += draft_seconds
+        self.target_seconds += target_seconds
+        self.verify_seconds += verify_seconds
+        self.constraint_seconds += constraint_seconds
+        self.constraint_step_seconds.append(constraint_seconds)
+        self.step_seconds.append(step_seconds)
 
     def finish(self) -> None:
         """Fill the derived ratios."""

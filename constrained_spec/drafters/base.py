@@ -16,37 +16,29 @@ over the allowed set minus EOS (the target still emits EOS as a recovered or bon
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from enum import StrEnum
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..constraint import Matcher, State
 
 
-class DraftBudget(Protocol):
-    """What a composite drafter asks the K policy: which part drafts the next position, and how
-    many tokens a learned (costly) part should draft."""
+class DraftKind(StrEnum):
+    """What drafted a token (``Draft.kinds``; the K policy estimates acceptance per kind, the stats
+    count per kind) and what a drafter is (``Drafter.name``). A ``StrEnum``: the plain strings
+    users pass and stored figures hold ("lookup", "head", ...) compare and hash equal to it."""
 
-    def draft_room(self, kinds: Sequence[str], kind: str, room: int, seconds_per_token: float) -> int:
-        """Tokens (at most ``room``) of the costly ``kind`` worth drafting after ``kinds``."""
-
-    def prefers_costly(self, kinds: Sequence[str], free_kind: str, costly_kind: str, seconds_per_token: float) -> bool:
-        """Whether, after ``kinds``, the costly kind should draft the next position before a
-        free part of ``free_kind`` that could (its acceptance estimate, less its cost, is higher)."""
-
-    def rank_free(self, kinds: Sequence[str], free_kinds: Sequence[str]) -> list[int]:
-        """The order (indices into ``free_kinds``) in which free parts are asked for the next
-        position after ``kinds``: the most likely to be accepted there first."""
-
-    def costly_gate(self, kinds: Sequence[str], confidence: "Confidences", kind: str,
-                    seconds_per_token: float) -> "DraftGate":
-        """A gate for a costly part that knows its confidence, after ``kinds`` (with their
-        confidences) so far: see ``DraftGate``."""
-
-    def worth_asking(self, kind: str, seconds_per_ask: float) -> bool:
-        """Whether to ask the costly ``kind`` at all at the next position: each ask costs
-        ``seconds_per_ask`` (a learned head feeds the accepted tokens and computes its first
-        law even when its gate then refuses). True counts an ask."""
+    NONE = "none"
+    GRAMMAR = "grammar"
+    COPY = "copy"
+    LOOKUP = "lookup"
+    CORPUS = "corpus"
+    MODEL = "model"
+    HEAD = "head"
+    HYBRID = "hybrid"
+    #: Not a drafter: the target's own recovered or bonus token, in the stats.
+    TARGET = "target"
 
 
 #: Called by a drafter with the confidence of its next token (its probability of the token it
@@ -75,7 +67,7 @@ class Draft:
     tokens: list[int]
     states: list[State]
     q: torch.Tensor | None = None
-    kind: str = "none"
+    kind: str = DraftKind.NONE
     kinds: list[str] | None = None
     confidence: list[float | None] | None = None
 
@@ -131,18 +123,23 @@ class Drafter:
     seconds_per_token: float = 0.0
     #: Measured seconds per ask of such a drafter, refused asks included (0: unknown).
     seconds_per_ask: float = 0.0
-    #: The most tokens of other drafters, earlier in the same proposal, such a drafter drafts
-    #: after (None: any); a composite drafter does not ask it past that.
-    max_rollover: int | None = None
+    #: Whether it can continue a proposal other drafters began (a learned head cannot: it drafts
+    #: from the target's features, which the tokens drafted before it in the step do not have).
+    follows_others: bool = True
 
     def timings(self) -> dict[str, float]:
         """Seconds spent drafting, per kind, for drafters that time themselves."""
         return {}
 
-    def set_draft_budget(self, budget: DraftBudget | None) -> None:
-        """The K policy's rules for a costly kind: how many of its tokens are worth drafting,
-        and whether it drafts before a free part (a composite drafter asks before its learned
-        part drafts)."""
+    def set_recent_estimates(self, recent: Any) -> None:
+        """What past requests measured (``decoding.estimates.RecentEstimates``; None: nothing):
+        a drafter that times itself starts from its last request's timings there and leaves its
+        own for the next."""
+
+    def set_estimates(self, estimates: Any) -> None:
+        """The K policy's acceptance and cost estimates (``drafters.order.Estimates``; None: a
+        fixed K): a composite drafter orders its parts by them, a costly drafter alone weighs
+        its own tokens by them (``DraftOrder``)."""
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

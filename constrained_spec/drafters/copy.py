@@ -6,7 +6,7 @@ import re
 from typing import Callable
 
 from ..constraint import Matcher, State
-from .base import Draft, Drafter, cut_to_constraint
+from .base import Draft, Drafter, DraftKind, cut_to_constraint
 
 _PHRASE_END = re.compile(r'[\n"<]|[.,;:!?)(](?=[\s<]|$)|\s+\(')  # "<": a chat marker follows
 _STRUCTURAL = re.compile(r'[\[\]{}",:]')
@@ -48,7 +48,7 @@ class CopyDrafter(Drafter):
     whole field can land in one verify pass. Deterministic: q is one-hot.
     """
 
-    name = "copy"
+    name = DraftKind.COPY
 
     def __init__(self, matcher: Matcher, tokenize: Callable[[str], list[int]],
                  decode: Callable[[list[int]], str], *, close_values: bool = True,

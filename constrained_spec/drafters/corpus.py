@@ -9,9 +9,8 @@ request's output with the most frequent continuation of its longest suffix found
 (SuffixDecoding's idea, Oliaro et al. 2024), each token walked through the request's matcher.
 
 Why besides the learned head: the index costs a dictionary-sized lookup per drafted token, not a
-decoder layer, so it drafts wherever it has a match without a cost to repay; measured on held-out
-generation prompts (README, "A learned draft head"), it agreed with the target about as often
-as the head where prompt lookup misses. Its draft is one-hot and verified like every other, so a
+decoder layer, so it drafts wherever it has a match without a cost to repay; where prompt lookup
+misses it agrees with the target about as often as the head does (see docs/drafters.md). Its draft is one-hot and verified like every other, so a
 wrong or colliding match costs a rejected token, never a wrong output.
 
 The index is written by hand because no library keeps a token n-gram table this small: per
@@ -29,7 +28,7 @@ import numpy as np
 
 from ..constraint import Matcher, State
 from ..errors import ModelLoadError, TokenizerMismatchError
-from .base import Draft, Drafter
+from .base import Draft, Drafter, DraftKind
 
 CORPUS_FILE = "corpus.safetensors"
 #: The longest suffix matched; longer ones are rare in a few hundred outputs and seldom better.
@@ -40,7 +39,7 @@ MAX_CANDIDATES = 8
 #: among the allowed ones stays at least this (the K policy trims the rest by confidence).
 CHAIN_CONFIDENCE = 0.5
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: the hash is a polynomial in it, wrapping mod 2^64
-#: The same hash in Python integers for one query (numpy scalar arithmetic cost ~1 us an op).
+#: The same hash in Python integers for one query (numpy scalars are slow for one-off arithmetic).
 _BASE_INT = int(_BASE)
 _MASK = (1 << 64) - 1
 
@@ -177,7 +176,7 @@ class CorpusDrafter(Drafter):
     prompt: the corpus holds outputs.
     """
 
-    name = "corpus"
+    name = DraftKind.CORPUS
 
     def __init__(self, corpus: OutputCorpus, matcher: Matcher) -> None:
         super().__init__(matcher)

@@ -61,11 +61,10 @@ def build_drafter(name: str, matcher: Matcher, tokenizer: Any, *, draft_model: A
         return grammar
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     # Free drafts first (forced text, a copy from the prompt, lookup, the target's past
-    # outputs: the K policy ranks them per position by their acceptance); then the head, which
-    # reads the target and drafts each token only where its acceptance, estimated at its
-    # confidence, pays for its cost (the K policy's costly_gate); a draft model last (its
-    # length from draft_room). Measured: the head before lookup made
-    # the extraction bench 0.80x of auto without a head (lookup's spans are free and right).
+    # outputs: ranked per position by their acceptance), because they cost nothing and
+    # lookup's spans are usually right where they exist (see docs/drafters.md); then the head,
+    # which drafts each token only where its acceptance at its confidence pays for its cost;
+    # a draft model last.
     parts: list[Drafter | None] = [
         grammar,
         CopyDrafter(matcher, tokenize, decode, source=source_text),

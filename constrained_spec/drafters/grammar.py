@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..constraint import Matcher, State
-from .base import Draft, Drafter, cut_to_constraint
+from .base import Draft, Drafter, DraftKind, cut_to_constraint
 
 
 class GrammarDrafter(Drafter):
@@ -21,7 +21,7 @@ class GrammarDrafter(Drafter):
     first from then on.
     """
 
-    name = "grammar"
+    name = DraftKind.GRAMMAR
 
     def __init__(self, matcher: Matcher, tokenize: Callable[[str], list[int]]) -> None:
         super().__init__(matcher)

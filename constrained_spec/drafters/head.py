@@ -39,9 +39,10 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from ..constraint import Matcher, State
 from ..errors import InvalidOptionError, ModelLoadError, TokenizerMismatchError
-from .base import Draft, DraftBudget, Drafter, DraftGate, draw_masked
+from .base import Draft, Drafter, DraftGate, DraftKind, draw_masked
 from .head_runner import HeadRunner
 from .int8_linear import int8_kernel_available, use_int8_linears
+from .order import DraftOrder, Estimates
 
 CONFIG_FILE = "head_config.json"
 WEIGHTS_FILE = "head.safetensors"
@@ -253,9 +254,6 @@ def shipped_head_dir(target: Any, tokenizer_fingerprint: str) -> Path | None:
 
 
 _LOADED: "weakref.WeakKeyDictionary[Any, dict[str, DraftHead]]" = weakref.WeakKeyDictionary()
-#: Per head: the last request's (seconds per drafted token, seconds per ask), which seed the next
-#: request's, so that its first asks are weighed by what asking cost (``AdaptiveK.worth_asking``).
-_RECENT_TIMINGS: "weakref.WeakKeyDictionary[DraftHead, tuple[float, float]]" = weakref.WeakKeyDictionary()
 
 
 def head_for(target: Any, tokenizer_fingerprint: str, directory: str | Path | None = None) -> DraftHead | None:
@@ -284,13 +282,12 @@ class HeadDrafter(Drafter):
     tokens on its own hidden states, each masked by the request's matcher and ``V_d``.
     """
 
-    name = "head"
+    name = DraftKind.HEAD
     confidence_gated = True
-    #: The most tokens of other drafters (earlier in the same step) the head rolls over on its
-    #: own states before drafting: each costs a head step, one at a time, and the head was
-    #: trained to go three steps from the target's features. Inside auto on 10 generation
-    #: prompts, 620 of 864 head steps were such roll-overs (3.6 per proposal).
-    max_rollover = 0
+    #: The head drafts from the target's features only, never after other drafters' tokens in
+    #: the same proposal: rolling over them costs a head step each, and it was trained to go a
+    #: few steps from the target's features (see docs/performance.md).
+    follows_others = False
 
     def __init__(self, head: DraftHead, matcher: Matcher, *, temperature: float = 0.0,
                  generator: torch.Generator | None = None) -> None:
@@ -302,7 +299,9 @@ class HeadDrafter(Drafter):
         self.generator = generator
         self.taps = head.config.taps
         self.seconds = 0.0
-        self.seconds_per_token, self.seconds_per_ask = _RECENT_TIMINGS.get(head, (0.0, 0.0))
+        self.seconds_per_token, self.seconds_per_ask = 0.0, 0.0
+        #: Where the last request's timings come from and this one's go (``set_recent_estimates``).
+        self._recent_timings: Any = None
         self._t_synced = 0.0
         self._fed_prompt = False
         self._ran = False
@@ -315,7 +314,9 @@ class HeadDrafter(Drafter):
         #: Per entry of V_d: a token this drafter may propose at all (in range, not EOS).
         self._vd_ok = torch.zeros(len(ids), dtype=torch.bool)
         self._vd_ok[ids < self.size] = self._in_vocab[ids[ids < self.size]]
-        self.budget: DraftBudget | None = None
+        #: Whether to ask the head and which of its tokens to draft, drafting alone (in a hybrid
+        #: drafter the hybrid's order decides and hands its gate to ``propose_gated``).
+        self.order: DraftOrder | None = None
         self.reset([])
 
     @property
@@ -342,10 +343,21 @@ class HeadDrafter(Drafter):
         """Sample from the request's generator, so ``seed=`` reproduces the draft too."""
         self.generator = generator
 
-    def set_draft_budget(self, budget: DraftBudget | None) -> None:
-        """Drafting alone, gate each token on the K policy's estimate at its confidence (in a
-        hybrid drafter the hybrid hands its own gate to ``propose_gated``)."""
-        self.budget = budget
+    def set_recent_estimates(self, recent: Any) -> None:
+        """Start from the timings the last request with this head left in ``recent`` (so its
+        first asks are weighed by what asking cost) and leave this request's there."""
+        self._recent_timings = recent.head_timings if recent is not None else None
+        if self._recent_timings is not None and not (self.seconds_per_token or self.seconds_per_ask):
+            self.seconds_per_token, self.seconds_per_ask = self._recent_timings.get(self.head, (0.0, 0.0))
+
+    def set_estimates(self, estimates: Estimates | None) -> None:
+        """Drafting alone, gate each token on the K policy's estimate at its confidence."""
+        self.order = DraftOrder(estimates)
+
+    def update(self, draft: Draft, accepted: int, next_token: int) -> None:
+        """Drafting alone, let the order see the verdict."""
+        if self.order is not None:
+            self.order.update(draft, accepted)
 
     @torch.no_grad()
     def observe(self, start: int, tokens: Sequence[int], features: torch.Tensor) -> None:
@@ -417,10 +429,10 @@ class HeadDrafter(Drafter):
         """Up to ``k`` tokens from the head, masked by the matcher along the path and by ``V_d``
         (each gated by the K policy's estimate at its confidence when it has one)."""
         gate = None
-        if self.budget is not None:
-            if not self.budget.worth_asking(self.name, self.seconds_per_ask):
+        if self.order is not None:
+            if not self.order.worth_asking(self.name, self.seconds_per_ask):
                 return self.empty(state)
-            gate = self.budget.costly_gate([], None, self.name, self.seconds_per_token)
+            gate = self.order.costly_gate([], None, self.name, self.seconds_per_token)
         return self.propose_gated(context, state, k, gate)
 
     @torch.no_grad()
@@ -445,30 +457,40 @@ class HeadDrafter(Drafter):
         if draft.tokens:
             per = spent / len(draft.tokens)
             self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
-        if self._ran:
-            _RECENT_TIMINGS[self.head] = (self.seconds_per_token, self.seconds_per_ask)
+        if self._ran and self._recent_timings is not None:
+            self._recent_timings[self.head] = (self.seconds_per_token, self.seconds_per_ask)
         return draft
 
     def _propose(self, context: list[int], state: State, k: int, gate: DraftGate | None) -> Draft:
-        if self.start is None or not self.tokens:
+        """Bring the head's cache up to the context it has features for, then draft (``_roll``)."""
+        if not self._drafts_at(context):
             return self.empty(state)
-        if self.start + len(self.tokens) >= len(context):  # fed past the context: a step cut at the token limit
-            self._keep(max(0, len(context) - 1 - self.start))
-            if not self.tokens:
-                return self.empty(state)
-        seen = self.start + len(self.tokens)  # positions with target features
-        if len(context) - seen - 1 > self.max_rollover:
-            return self.empty(state)
+        seen = self.start + len(self.tokens)  # type: ignore[operator]  # positions with target features
         self._fed_prompt = self.fed == 0
         self._ran = True
         h, logits = self._sync(context[seen])  # type: ignore[misc]
         self._t_synced = time.perf_counter()
-        pos = seen
-        # Tokens another drafter proposed before this one in the same step (a hybrid draft):
-        # the head rolls over them on its own states, as over its own draft tokens.
-        for x in context[seen + 1 :]:
-            h, logits = self.runner.step(h[None], torch.tensor([x]), pos)
-            pos += 1
+        draft = self._roll(h, logits, seen, state, k, gate)
+        self.runner.crop(self.fed)  # the draft's own pairs: the next sync feeds the accepted ones
+        return draft
+
+    def _drafts_at(self, context: list[int]) -> bool:
+        """Whether the head can draft after ``context``: it has the target's features up to its
+        last token (forgetting those fed past it: a step cut at the token limit), and no other
+        drafter's token comes first in this proposal."""
+        if self.start is None or not self.tokens:
+            return False
+        if self.start + len(self.tokens) >= len(context):  # fed past the context
+            self._keep(max(0, len(context) - 1 - self.start))
+            if not self.tokens:
+                return False
+        return len(context) == self.start + len(self.tokens) + 1
+
+    def _roll(self, h: torch.Tensor, logits: torch.Tensor, pos: int, state: State, k: int,
+              gate: DraftGate | None) -> Draft:
+        """Up to ``k`` tokens from the head's (hidden, logits) at absolute position ``pos``, each
+        masked by the matcher along the path and by ``V_d``, and drafted while ``gate`` accepts
+        its confidence; the head rolls on its own hidden state in the cache beyond the context."""
         states, tokens, qs = [state], [], []
         confidence: list[float | None] = []
         for i in range(k):
@@ -491,7 +513,6 @@ class HeadDrafter(Drafter):
             tokens.append(x)
             confidence.append(conf)
             states.append(nxt)
-            if i + 1 < k:  # roll on the head's own hidden state, in the cache beyond the context
+            if i + 1 < k:
                 h, logits = self.runner.step(h[None], torch.tensor([x]), pos + i)
-        self.runner.crop(self.fed)  # the draft's own pairs: the next sync feeds the accepted ones
         return Draft(tokens, states, torch.stack(qs) if qs else None, self.name, confidence=confidence)

@@ -1,10 +1,9 @@
 """The draft head's inference path: one request's head cache and its steps, without transformers' decoder layer.
 
 ``DraftHead.forward`` runs transformers' ``LlamaDecoderLayer`` over a ``DynamicCache``: right for
-training (autograd, any batch) but, for one request drafting a token at a time, a third of a
-step went to the decoder layer's dispatch, the cache's list bookkeeping and the mask built per
-call (measured on the shipped head, one row over 300 cached positions: 1.01 ms warm /
-1.49 ms with the caches evicted, against 0.68 / 1.03 ms here). ``HeadRunner`` computes the same
+training (autograd, any batch) but, for one request drafting a token at a time, much of a step
+goes to the decoder layer's dispatch, the cache's list bookkeeping and the mask built per call
+(see docs/drafters.md). ``HeadRunner`` computes the same
 layer from the same weights (q/k/v and gate/up each fused into one matrix: their int8 rows keep
 their own scales, so the fused product is the separate ones' bits), with the keys and values in
 preallocated tensors; the norms and the rotary embedding are transformers' own. Hand-written

@@ -1,18 +1,17 @@
-"""The hybrid drafter: forced text, a copy from the prompt and lookup (asked most likely first when
-the K policy ranks them), then a learned head or a draft model."""
+"""The hybrid drafter: forced text, a copy from the prompt and lookup (asked most likely first),
+then a learned head or a draft model; its ``DraftOrder`` decides which part drafts where."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..constraint import Matcher, State
-from .base import Draft, Drafter, DraftBudget
+from .base import Draft, Drafter, DraftKind
+from .order import COSTLY_KINDS, DraftOrder, Estimates
 
-
-#: Parts that pay per drafted token (the K policy's budget decides how many they draft).
-COSTLY_KINDS = ("model", "head")
+__all__ = ["COSTLY_KINDS", "HybridDrafter"]
 
 
 class HybridDrafter(Drafter):
@@ -22,7 +21,7 @@ class HybridDrafter(Drafter):
     q rows, deterministic ones one-hot rows. Every hook reaches every part.
     """
 
-    name = "hybrid"
+    name = DraftKind.HYBRID
 
     def __init__(self, parts: list[Drafter], *, max_model_tokens: int = 4) -> None:
         if not parts:
@@ -34,11 +33,18 @@ class HybridDrafter(Drafter):
         self.parts = parts
         #: A draft model pays per token, so its share of one proposal is capped.
         self.max_model_tokens = max_model_tokens
-        self.budget: DraftBudget | None = None
+        #: Which part drafts the next position and how much a costly one drafts (None: the
+        #: declared order, outside a decoder).
+        self.order: DraftOrder | None = None
 
-    def set_draft_budget(self, budget: DraftBudget | None) -> None:
-        """Ask ``budget`` how many tokens a learned part should draft after what the others did."""
-        self.budget = budget
+    def set_estimates(self, estimates: Estimates | None) -> None:
+        """Order the parts by the K policy's estimates (None: a fixed policy's declared order)."""
+        self.order = DraftOrder(estimates)
+
+    def set_recent_estimates(self, recent: Any) -> None:
+        """Hand the past requests' estimates to every part."""
+        for part in self.parts:
+            part.set_recent_estimates(recent)
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Reset every part."""
@@ -46,7 +52,9 @@ class HybridDrafter(Drafter):
             part.reset(prompt_ids)
 
     def update(self, draft: Draft, accepted: int, next_token: int) -> None:
-        """Let every part see the verdict."""
+        """Let the order and every part see the verdict."""
+        if self.order is not None:
+            self.order.update(draft, accepted)
         for part in self.parts:
             part.update(draft, accepted, next_token)
 
@@ -96,16 +104,16 @@ class HybridDrafter(Drafter):
                 room = k - len(tokens)
                 gate = None
                 if part.name in COSTLY_KINDS:
-                    if part.max_rollover is not None and len(tokens) > part.max_rollover:
+                    if tokens and not part.follows_others:
                         continue  # it would return nothing: not an ask
-                    if self.budget is not None and not self.budget.worth_asking(part.name, part.seconds_per_ask):
+                    if self.order is not None and not self.order.worth_asking(part.name, part.seconds_per_ask):
                         continue
                     room = min(room, self.max_model_tokens)
-                    if self.budget is not None and part.confidence_gated:
+                    if self.order is not None and part.confidence_gated:
                         # Each of its tokens is weighed at its own confidence as it is drafted.
-                        gate = self.budget.costly_gate(kinds, confidence, part.name, part.seconds_per_token)
-                    elif self.budget is not None:
-                        room = self.budget.draft_room(kinds, part.name, room, part.seconds_per_token)
+                        gate = self.order.costly_gate(kinds, confidence, part.name, part.seconds_per_token)
+                    elif self.order is not None:
+                        room = self.order.draft_room(kinds, part.name, room, part.seconds_per_token)
                     if room <= 0:
                         continue
                 ctx = context + tokens
@@ -130,20 +138,20 @@ class HybridDrafter(Drafter):
 
     def _order(self, kinds: list[str]) -> list[Drafter]:
         """The parts in the order they are asked at the next position: the free parts before the
-        first costly one ranked by the budget (their acceptance estimates there), then the first
+        first costly one ranked by the order (their acceptance estimates there), then the first
         costly part moved ahead of the first free part it beats (forced text is never overtaken
-        in practice: its estimate is near 1). Without a budget, the declared order."""
-        if self.budget is None:
+        in practice: its estimate is near 1). Without an order, the declared order."""
+        if self.order is None:
             return self.parts
         at = next((i for i, p in enumerate(self.parts) if p.name in COSTLY_KINDS), len(self.parts))
         free = self.parts[:at]
         if len(free) > 1:
-            free = [free[i] for i in self.budget.rank_free(kinds, [p.name for p in free])]
+            free = [free[i] for i in self.order.rank_free(kinds, [p.name for p in free])]
         if at == len(self.parts):
             return free
         costly = self.parts[at]
         for i, part in enumerate(free):
-            if self.budget.prefers_costly(kinds, part.name, costly.name, costly.seconds_per_token):
+            if self.order.prefers_costly(kinds, part.name, costly.name, costly.seconds_per_token):
                 return [*free[:i], costly, *free[i:], *self.parts[at + 1 :]]
         return [*free, *self.parts[at:]]
 

@@ -4,12 +4,11 @@ A head's cost per draft token is mostly its weight traffic: nine matrices, 26 MB
 read once per draft token, and evicted from the caches by the target's forward between two
 proposals. Saved as int8 (each row scaled to 127, ``DraftHead.save``), the same weights run
 through ``torch._weight_int8pack_mm`` (int8 weights, one scale per output row, bfloat16
-activations) read a quarter of the bytes: the nine matrices of the shipped head took 0.33 ms
-warm / 0.67 ms cold for one row, against 1.37 / 1.74 ms in float32 (this 2-core AVX2 CPU).
-The int8 bytes are the stored ones; the kernel takes the row scales and the activations in
+activations) read a quarter of the bytes, and take correspondingly less time per draft token
+(see docs/drafters.md). The int8 bytes are the stored ones; the kernel takes the row scales and the activations in
 bfloat16 (relative rounding at most 2^-9), which moves a draft's logits slightly (a head's draft
-is checked by the target, so this changes speed, never the output law: on 8 held-out
-generation prompts the greedy outputs and the head's acceptance were the same). Hand-written because no library wraps this kernel as a module.
+is checked by the target, so this changes speed, never the output law). Hand-written because
+no library wraps this kernel as a module.
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ from torch import nn
 
 
 #: Byte alignment the int8 kernel's weights need: its AVX-512 path reads them with aligned
-#: loads, and weights read by ``safetensors.torch.load_file`` sit at the file's offsets (measured
-#: on an AVX-512 EPYC: 4+ rows over a weight at offset 52 mod 64 crashed the process; one to
-#: three rows and AVX2 machines did not).
+#: loads, and weights read by ``safetensors.torch.load_file`` sit at the file's offsets, where a
+#: misaligned weight crashes the process.
 KERNEL_ALIGNMENT = 64
 
 

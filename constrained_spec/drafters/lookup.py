@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..constraint import Matcher, State, TokenVocabulary
-from .base import Draft, Drafter, cut_to_constraint
+from .base import Draft, Drafter, DraftKind, cut_to_constraint
 
 _STRUCTURAL_TOKENS: dict[str, frozenset[int]] = {}
 
@@ -27,7 +27,7 @@ class LookupDrafter(Drafter):
     constraint accepts furthest wins. q is one-hot (deterministic).
     """
 
-    name = "lookup"
+    name = DraftKind.LOOKUP
 
     def __init__(self, matcher: Matcher, *, max_ngram: int = 3, min_ngram: int = 1, max_candidates: int = 8,
                  ignore: frozenset[int] = frozenset()) -> None:

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from ..constraint import Matcher, State, apply_mask
-from .base import Draft, Drafter, draw_masked
+from .base import Draft, Drafter, DraftKind, draw_masked
 
 
 class ModelDrafter(Drafter):
@@ -18,7 +18,7 @@ class ModelDrafter(Drafter):
     tokens are dropped without recomputation.
     """
 
-    name = "model"
+    name = DraftKind.MODEL
 
     def __init__(self, model: Any, matcher: Matcher, *, temperature: float = 0.0,
                  generator: torch.Generator | None = None) -> None:

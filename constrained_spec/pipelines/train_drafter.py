@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from ..constraint import CompiledConstraint, Matcher, State, vocabulary_of
-from ..decoding import AdaptiveK, FixedK, SpeculativeDecoder
+from ..decoding import AdaptiveK, FixedK, RecentEstimates, SpeculativeDecoder
 from ..drafters.base import Draft, Drafter
 from ..drafters.corpus import OutputCorpus
 from ..drafters.head import DraftHead, HeadConfig, default_taps
@@ -169,16 +169,19 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
     runs = [(i, temp, run_seed) for i in range(len(items))
             for temp, run_seed in [(0.0, None)] + [(temperature, seed * 1000 + i * 10 + j) for j in range(sampled)]]
 
+    recent = RecentEstimates()  # the K policies of this run's requests learn from each other
+
     def start(i: int, run_seed: int | None) -> tuple[Matcher, FeatureRecorder, Drafter, Any]:
         matcher = items[i][1].matcher()
         recorder = FeatureRecorder(matcher, (*taps, final))
         other = drafter_for(i, matcher) if drafter_for is not None else None
         if not features:
-            return matcher, recorder, other, AdaptiveK(12, deterministic=run_seed is not None) if other is not None else FixedK(0)
+            policy = AdaptiveK(12, deterministic=run_seed is not None, recent=recent) if other is not None else FixedK(0)
+            return matcher, recorder, other, policy
         drafter = HybridDrafter([other, recorder]) if other is not None else recorder
         # Speculation only changes the speed: a seeded sampled run keeps its K choices
         # independent of timings, so the same seed gives the same output.
-        k_policy = AdaptiveK(12, deterministic=run_seed is not None) if other is not None else FixedK(0)
+        k_policy = AdaptiveK(12, deterministic=run_seed is not None, recent=recent) if other is not None else FixedK(0)
         return matcher, recorder, drafter, k_policy
 
     out: list[DecodedOutput] = []
