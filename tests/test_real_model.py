@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_auto_drafts_from_the_shipped_corpus_and_equals_target_only_on_held_out_
     from constrained_spec.decoding import SpecOptions
     from constrained_spec.pipelines.drafter_data import generation_workload
 
+    # A handle of its own: what the session's earlier requests taught the shared handle's K
+    # policy (which drafters pay on other workloads) must not decide whether this one drafts.
+    smol = dataclasses.replace(smol, estimates=None)
     source = resolve_draft(None, smol, SpecOptions(drafter="auto"))
     assert source is not None and source.corpus is not None and source.head is None and len(source.corpus) > 10_000
     assert resolve_draft(False, smol, SpecOptions(drafter="auto")) is None
