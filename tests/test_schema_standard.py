@@ -100,6 +100,7 @@ def test_remote_references_are_named_not_fetched() -> None:
 
 @pytest.mark.parametrize("fmt, good, bad", [
     ("date", "2020-02-29", "2021-02-29"),
+    ("date", "2020-02-29", "\u0662\u0660\u0662\u0660-02-29"),  # digits of another script are not RFC 3339's
     ("date-time", "1998-12-31T23:59:60Z", "1998-12-31T22:59:60Z"),
     ("time", "15:59:60-08:00", "15:58:60-08:00"),
     ("hostname", "example.com", "a" * 63 + "." + "b" * 63 + "." + "c" * 63 + "." + "d" * 63 + ".com"),

@@ -30,11 +30,12 @@ import datetime
 import ipaddress
 import re
 import unicodedata
+from typing import Any
 
 import jsonschema
 
-_TIME = re.compile(r"(\d\d):(\d\d):(\d\d)(\.\d+)?([Zz]|([+-])(\d\d):(\d\d))\Z")
-_DATE = re.compile(r"(\d{4})-(\d\d)-(\d\d)\Z")
+_TIME = re.compile(r"(\d\d):(\d\d):(\d\d)(\.\d+)?([Zz]|([+-])(\d\d):(\d\d))\Z", re.ASCII)  # RFC 3339 digits are ASCII
+_DATE = re.compile(r"(\d{4})-(\d\d)-(\d\d)\Z", re.ASCII)
 _RELATIVE_POINTER = re.compile(r"(0|[1-9][0-9]*)(#|(/([^/~]|~[01])*)*)\Z")
 # RFC 6570 section 2: literals, and expressions of an optional operator and varspecs.
 _PCT = r"%[0-9A-Fa-f]{2}"
@@ -220,15 +221,22 @@ def _iri_to_uri(text: str) -> str:
 _BASE = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
+def with_checks(base: jsonschema.FormatChecker, checks: dict[str, Any],
+                raises: type[Exception] | tuple[type[Exception], ...] = ()) -> jsonschema.FormatChecker:
+    """A copy of ``base`` with ``checks`` (format name -> predicate) replacing or adding its own."""
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = dict(base.checkers)
+    for name, check in checks.items():
+        checker.checks(name, raises=raises)(check)
+    return checker
+
+
 def format_checker() -> jsonschema.FormatChecker:
     """jsonschema's draft 2020-12 format checks with the corrections above."""
-    checker = jsonschema.FormatChecker(formats=())
-    checker.checkers = dict(_BASE.checkers)
-    corrected = {"email": is_email, "idn-email": is_idn_email, "time": is_time, "date": is_date, "date-time": is_date_time, "hostname": is_hostname,
-                 "idn-hostname": is_idn_hostname, "relative-json-pointer": is_relative_json_pointer,
-                 "uri-template": is_uri_template, "regex": is_ecma_regex}
-    corrected.update({"uri": _with_ip_literal("uri"), "uri-reference": _with_ip_literal("uri-reference"),
-                      "iri": _with_ip_literal("iri", "uri"), "iri-reference": _with_ip_literal("iri-reference", "uri-reference")})
-    for name, check in corrected.items():
-        checker.checks(name)(check)
-    return checker
+    corrected = {"email": is_email, "idn-email": is_idn_email, "time": is_time, "date": is_date,
+                 "date-time": is_date_time, "hostname": is_hostname, "idn-hostname": is_idn_hostname,
+                 "relative-json-pointer": is_relative_json_pointer, "uri-template": is_uri_template,
+                 "regex": is_ecma_regex,
+                 "uri": _with_ip_literal("uri"), "uri-reference": _with_ip_literal("uri-reference"),
+                 "iri": _with_ip_literal("iri", "uri"), "iri-reference": _with_ip_literal("iri-reference", "uri-reference")}
+    return with_checks(_BASE, corrected)

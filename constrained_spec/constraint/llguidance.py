@@ -22,7 +22,7 @@ import torch
 from ..errors import InvalidRegexError, InvalidSchemaError, UnsupportedSchemaFeatureError
 from .base import CompiledConstraint, Matcher, State
 from .layout import whitespace_regex
-from .schema import keyword_path, map_subschemas
+from .schema import iter_subschemas, keyword_path, map_subschemas
 from .vocabulary import TokenVocabulary
 
 BACKEND = "llguidance"
@@ -347,8 +347,6 @@ _REMOTE = re.compile(r"is not present in a registry|does not fetch resources")
 
 def _remote_reference(schema: Any) -> tuple[str, str]:
     """The keyword and path of the first reference to a schema outside this document."""
-    from .schema import iter_subschemas
-
     for path, node in iter_subschemas(schema):
         for keyword in ("$ref", "$dynamicRef", "$schema"):
             target = node.get(keyword)
@@ -363,8 +361,6 @@ _SOME = re.compile(r"Some\(([-+0-9.eE]+)\)")
 
 def _bound_at(schema: Any, values: set[float]) -> tuple[str, str]:
     """The first bound keyword (and its path) whose value is among ``values``."""
-    from .schema import iter_subschemas
-
     for path, node in iter_subschemas(schema):
         for keyword in _LOWER_BOUNDS + _UPPER_BOUNDS:
             value = node.get(keyword)

@@ -89,7 +89,9 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
                                  "standard; lenient=True does not change that).") from None
     if _REF_OVERRIDES_SIBLINGS.search(str(schema.get("$schema", ""))):
         schema = _without_ref_siblings(schema)
-    return JsonSchema(map_subschemas(schema, _integral_counts), model_cls)
+    if any(isinstance(node.get(k), float) for _, node in iter_subschemas(schema) for k in COUNT_KEYWORDS):
+        schema = map_subschemas(schema, _integral_counts)  # copied only where a count needs it
+    return JsonSchema(schema, model_cls)
 
 
 #: Keywords whose value is a count. The standard allows any number with a zero fractional part

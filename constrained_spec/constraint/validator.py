@@ -54,10 +54,9 @@ def _is_regex(text: object) -> bool:
 def _schema_format_checker(base: jsonschema.FormatChecker) -> jsonschema.FormatChecker:
     """The meta-schema's format checks, its ``regex`` (a schema's patterns) compiled by the
     ``regex`` package that ``output_validator`` then runs them on."""
-    checker = jsonschema.FormatChecker(formats=())
-    checker.checkers = dict(base.checkers)
-    checker.checks("regex", raises=regex.error)(_is_regex)
-    return checker
+    from .formats import with_checks
+
+    return with_checks(base, {"regex": _is_regex}, raises=regex.error)
 
 
 @lru_cache(maxsize=1)
