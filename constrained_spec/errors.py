@@ -20,14 +20,18 @@ class UnsupportedSchemaFeatureError(InvalidSchemaError):
     Attributes:
         keyword: the JSON Schema keyword, e.g. ``"uniqueItems"``.
         path: JSON pointer to the sub-schema holding it, e.g. ``"/properties/tags"``.
+        relaxable: whether ``lenient=True`` compiles the schema with this keyword relaxed (checked
+            after decoding instead); the message then says so.
     """
 
     #: What the message says of ``lenient=True`` when the caller does not say more.
     NOT_RELAXED = "lenient=True does not relax it on this backend: remove the keyword or check it after generation."
 
-    def __init__(self, keyword: str, path: str, detail: str = "", *, lenient: str = NOT_RELAXED) -> None:
+    def __init__(self, keyword: str, path: str, detail: str = "", *, lenient: str = NOT_RELAXED,
+                 relaxable: bool = False) -> None:
         self.keyword = keyword
         self.path = path or "/"
+        self.relaxable = relaxable
         msg = (
             f"Unsupported schema feature: the schema is valid, but keyword {keyword!r} at {self.path} cannot be "
             "enforced by the constraint, so outputs could violate it."

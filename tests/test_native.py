@@ -171,7 +171,7 @@ def test_bad_precision_is_refused():
     with pytest.raises(ModelLoadError, match="Invalid precision"):
         load_model(precision="int3")
     for precision in ("native", "native-exact"):
-        with pytest.raises(ModelLoadError, match="embedded GGUF model only"):
+        with pytest.raises(ModelLoadError, match="runs GGUF files"):
             load_model("some/model", precision=precision)
     with pytest.raises(ModelLoadError, match="disagree"):
         load_model(precision="bfloat16", dtype="float32")
@@ -396,23 +396,25 @@ def test_bench_runs_precisions_side_by_side(monkeypatch):
     item = bench.load_prompts(bench.DEFAULT_PROMPTS)[0]
     seen = []
 
-    def fake_row(max_new_tokens):
-        def prepare(schema, text, ids):
+    def fake_rows(gguf_file, max_new_tokens):
+        assert gguf_file.name == "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file the model was loaded from
+
+        def prepare(schema, text, ids, tokens):
             seen.append((schema.schema == item["schema"], text.endswith("assistant\n"), len(ids)))
             return lambda: json.dumps(item["expected"])
-        return prepare
+        return {"llama.cpp grammar (reference)": prepare}
 
-    monkeypatch.setattr(bench, "llama_cpp_row", fake_row)
+    monkeypatch.setattr(bench, "llama_cpp_rows", fake_rows)
     configs = [BenchConfig("target-only", "none"), BenchConfig("hybrid, fixed K=8", "hybrid", 8, adaptive=False)]
     report = run_bench(limit=1, configs=configs, precisions=("float32", "native"), outlines_reference=False,
                        max_new_tokens=64)
     rows = {r["config"]: r for r in report["rows"]}
     assert list(rows) == ["float32: target-only", "float32: hybrid, fixed K=8", "native: target-only",
-                          "native: hybrid, fixed K=8", "llama.cpp grammar, Q4_1 GGUF (reference)"]
+                          "native: hybrid, fixed K=8", "llama.cpp grammar (reference)"]
     assert all(rows[name]["identical_outputs"] == "1/1" for name in list(rows)[:4])
     # The same values at both precisions, so the same fields right (the small model misses some).
     assert len({rows[name]["field_accuracy"] for name in list(rows)[:4]}) == 1
-    assert rows["llama.cpp grammar, Q4_1 GGUF (reference)"]["field_accuracy"] == "4/4"
+    assert rows["llama.cpp grammar (reference)"]["field_accuracy"] == "4/4"
     assert seen == [(True, True, seen[0][2])] and seen[0][2] > 20
     assert report["precision"] == "float32, native"
     # Every row also says whether its output equals the first precision's target-only one.

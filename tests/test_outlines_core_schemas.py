@@ -21,7 +21,8 @@ from outlines_core.json_schema import build_regex_from_schema
 
 from constrained_spec import UnsupportedSchemaFeatureError
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
-from constrained_spec.constraint.outlines_core import _WS_MARK, _canonical_layout, build_index, schema_to_regex
+from constrained_spec.constraint.outlines_core import build_index
+from constrained_spec.constraint.outlines_core_schema import _WS_MARK, _canonical_layout, schema_to_regex
 
 BYTES = TokenVocabulary.build({b + 1: bytes([b]) for b in range(256)}, 0)
 LIST = {"$defs": {"L": {"type": "array", "items": {"type": "integer"}}}}
@@ -172,9 +173,9 @@ def test_most_cases_compile_and_unchecked_regexes_fail_the_same_test():
 def test_a_pattern_left_to_match_escaped_characters_is_refused(monkeypatch):
     """The check behind the pattern rewrite is a proof over every byte, not a trust in the
     rewrite: without it, ``[^@]`` matches a quote and the schema is refused."""
-    from constrained_spec.constraint import outlines_core
+    from constrained_spec.constraint import outlines_core_schema
 
-    monkeypatch.setattr(outlines_core, "_json_safe", lambda body: body)
+    monkeypatch.setattr(outlines_core_schema, "_json_safe", lambda body: body)
     with pytest.raises(UnsupportedSchemaFeatureError, match="still matches") as err:
         compile_constraint({"type": "string", "pattern": "^[^@]+$", "title": "unsafe"}, BYTES, backend="outlines-core")
     assert err.value.keyword == "pattern"

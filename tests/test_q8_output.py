@@ -76,3 +76,12 @@ def test_native_model_takes_the_kernel_by_default(smol):
     out = smol.model.get_output_embeddings()
     assert isinstance(out, Q8OutputProjection) and out.kernel == "vnni"
     assert "VNNI output" in smol.name
+
+
+def test_gather_rows_give_the_exact_embedding_rows():
+    """A tied embedding read from the packed VNNI matrix: the dequantized float32 rows bit for bit."""
+    exact, vnni, _ = _layers(64, 96, seed=6)
+    assert vnni.vnni_scales.dtype == torch.float32
+    ids = torch.tensor([0, 63, 17, 17, 40])
+    got = q8_output.gather_rows(vnni.vnni_packed, vnni.vnni_scales, torch.empty(0), ids)
+    assert torch.equal(got.view(torch.int32), exact[ids].view(torch.int32))

@@ -63,7 +63,7 @@ def test_bounds_the_grammar_cannot_hold_are_named(schema: dict, keyword: str, le
     with pytest.raises(UnsupportedSchemaFeatureError) as caught:
         _compile(schema, lenient=lenient)
     assert caught.value.keyword == keyword
-    assert "lenient=True does not relax it" in str(caught.value)
+    assert "lenient=True does not relax it" in str(caught.value) and not caught.value.relaxable
 
 
 def test_integers_past_64_bits_compile() -> None:
@@ -75,8 +75,9 @@ def test_integers_past_64_bits_compile() -> None:
 
 def test_every_refusal_is_an_invalid_schema_error_that_says_which_and_what_lenient_does() -> None:
     assert issubclass(UnsupportedSchemaFeatureError, InvalidSchemaError)
-    with pytest.raises(UnsupportedSchemaFeatureError, match="the schema is valid.*lenient=True would compile it"):
+    with pytest.raises(UnsupportedSchemaFeatureError, match="the schema is valid.*lenient=True would compile it") as caught:
         _compile({"type": "array", "uniqueItems": True})
+    assert caught.value.relaxable  # what the message says, as a field
     _compile({"type": "array", "uniqueItems": True}, lenient=True)
     with pytest.raises(InvalidSchemaError, match="breaks the JSON Schema standard; lenient=True does not change"):
         load_schema({"type": "strnig"})
@@ -90,12 +91,13 @@ def test_overlapping_pattern_properties_say_what_mode_refused_them(lenient: bool
     message = str(caught.value)
     assert "lenient mode" in message and "does not relax it either" in message
     assert "(strict mode)" not in message and "relaxes it." not in message
+    assert not caught.value.relaxable
 
 
 def test_remote_references_are_named_not_fetched() -> None:
     with pytest.raises(UnsupportedSchemaFeatureError, match="remote address") as caught:
         _compile({"properties": {"a": {"$ref": "http://example.com/a.json"}}})
-    assert (caught.value.keyword, caught.value.path) == ("$ref", "/properties/a")
+    assert (caught.value.keyword, caught.value.path) == ("$ref", "/properties/a") and not caught.value.relaxable
 
 
 @pytest.mark.parametrize("fmt, good, bad", [

@@ -472,3 +472,36 @@ def test_a_strict_schema_decodes_its_declared_keys_only_and_a_non_strict_one_as_
         states = m.walk(m.state, ids)
         assert (len(states) == len(ids) + 1 and m.is_done(states[-1])) is takes_extra, strict
         assert (compiled.schema.schema.get("additionalProperties") is False) is strict
+
+
+def test_the_server_keeps_its_constraints_in_the_one_cache_under_its_bound(smol):
+    """The server has no cache of its own: ``create_app`` bounds the constraint package's one
+    cache with ``constraint_cache_bytes``, a repeated request finds its entry there (the same
+    object: nothing loaded or compiled again), what it holds counts in ``cache_bytes()``, and the
+    one eviction policy drops the least recently used request's entry past the bound."""
+    from constrained_spec.constraint import DEFAULT_LIMITS, cache_bytes, clear_cache, set_cache_bytes
+    from constrained_spec.decoding import SpecOptions
+    from constrained_spec.serving.app import _compile
+    from constrained_spec.serving.protocol import parse_body
+
+    def spec(schema: dict):
+        body = {"messages": [{"role": "user", "content": PROMPT}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        return parse_body(json.dumps(body).encode(), "chat").constraint
+
+    person, other = spec(PERSON), spec({"type": "array", "items": {"type": "integer"}})
+    _, bound = cache_bytes()
+    try:
+        clear_cache()
+        create_app(smol, config=ServerConfig(constraint_cache_bytes=64 << 20))
+        assert cache_bytes() == (0, 64 << 20)
+        first = _compile(person, smol, SpecOptions(), DEFAULT_LIMITS)
+        assert _compile(person, smol, SpecOptions(), DEFAULT_LIMITS) is first
+        assert cache_bytes()[0] >= first.nbytes > first.compiled.nbytes
+        create_app(smol, config=ServerConfig(constraint_cache_bytes=0))  # keeps only the latest entry
+        _compile(other, smol, SpecOptions(), DEFAULT_LIMITS)
+        again = _compile(person, smol, SpecOptions(), DEFAULT_LIMITS)
+        assert again is not first and again.compiled.pattern == first.compiled.pattern
+    finally:
+        set_cache_bytes(bound)
+        clear_cache()

@@ -254,75 +254,20 @@ def run_coverage(
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     corpus = Path(corpus)
-    files = sorted(corpus.glob("*.jsonl"))
-    if subsets:
-        files = [f for f in files if f.stem in subsets]
-    if not files:
-        raise ValueError(f"Invalid corpus: no <Subset>.jsonl files in {corpus}.")
+    files = _corpus_files(corpus, subsets)
     if backend not in ("outlines-core", "llguidance"):
         raise ValueError(f"Invalid backend: expected 'outlines-core' or 'llguidance', got {backend!r}.")
     pool = _CompilePool(tokenizer, backend, lenient)
-    reasons: Counter[str] = Counter()
-    relaxed: Counter[str] = Counter()
-    compiled_schemas: list[dict] = []
+    tally = _Tally(backend, generate)
     results = []
     try:
         for path in files:
-            items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if sample is not None and sample < len(items):
-                items = random.Random(seed).sample(items, sample)
-            instances = {}
-            inst_path = corpus / "valid_instances" / path.name
-            if inst_path.is_file():
-                for line in inst_path.read_text().splitlines():
-                    if line.strip():
-                        rec = json.loads(line)
-                        instances[rec["id"]] = rec["valid"]
-            sub = SubsetCoverage(path.stem)
-            for n, item in enumerate(items, start=1):
-                sub.schemas += 1
-                try:
-                    schema = load_schema(item["schema"])
-                except ConstrainedSpecError as e:
-                    sub.refused += 1
-                    reasons[type(e).__name__] += 1
-                    continue
-                values = instances.get(item["id"], [])
-                status, ms, error, (rejected, undetermined) = pool.run(schema, values, timeout_s)
-                if status == "refused":
-                    sub.refused += 1
-                    reasons[error] += 1
-                elif status == "ok":
-                    sub.compiled += 1
-                    if len(compiled_schemas) < generate:
-                        compiled_schemas.append(schema.schema)
-                    if error:
-                        sub.relaxed += 1
-                        relaxed.update({re.sub(r"\s*\(\d+ times\)", "", w) for w in error.split("; ")})
-                    sub.compile_ms.append(ms)
-                    sub.instances_checked += len(values)
-                    sub.instances_rejected += len(rejected)
-                    sub.instances_undetermined += len(undetermined)
-                    sub.rejected_examples += [f"{item['id']}: {t}" for t in rejected[:1]]
-                    sub.rejected_examples += [f"{item['id']} (undetermined): {t}" for t in undetermined[:1]]
-                elif status == "timeout":
-                    sub.timeouts += 1
-                    reasons["compile timeout"] += 1
-                else:
-                    sub.errors += 1
-                    reasons[f"{backend}: {error[:80]}"] += 1
-                if progress is not None:
-                    progress(path.stem, n, len(items))
-            results.append(sub)
+            results.append(_cover_subset(path, corpus, pool, tally, sample=sample, seed=seed, timeout_s=timeout_s,
+                                         progress=progress))
     finally:
         pool.close()
-    total = SubsetCoverage("all")
-    for sub in results:
-        for name in ("schemas", "compiled", "refused", "timeouts", "errors", "relaxed", "instances_checked",
-                     "instances_rejected", "instances_undetermined"):
-            setattr(total, name, getattr(total, name) + getattr(sub, name))
-        total.compile_ms += sub.compile_ms
-    generation = _generate_check(compiled_schemas, model, backend, lenient) if generate else None
+    total = _total(results)
+    generation = _generate_check(tally.compiled_schemas, model, backend, lenient) if generate else None
     return {
         "generation": generation,
         "backend": backend,
@@ -331,11 +276,106 @@ def run_coverage(
         "timeout_s": timeout_s,
         "sample": sample,
         "rows": [s.row() for s in results] + [total.row()],
-        "top_refusal_reasons": reasons.most_common(10),
-        "top_relaxed_keywords": relaxed.most_common(10),
+        "top_refusal_reasons": tally.reasons.most_common(10),
+        "top_relaxed_keywords": tally.relaxed.most_common(10),
         "rejected_instance_examples": [e for s in results for e in s.rejected_examples][:10],
         "median_compile_ms_all": statistics.median(total.compile_ms) if total.compile_ms else None,
     }
+
+
+def _corpus_files(corpus: Path, subsets: list[str] | None) -> list[Path]:
+    """The corpus's ``<Subset>.jsonl`` files (only ``subsets`` when given); none is an error."""
+    files = sorted(corpus.glob("*.jsonl"))
+    if subsets:
+        files = [f for f in files if f.stem in subsets]
+    if not files:
+        raise ValueError(f"Invalid corpus: no <Subset>.jsonl files in {corpus}.")
+    return files
+
+
+def _subset_items(path: Path, corpus: Path, sample: int | None, seed: int) -> tuple[list[dict], dict[Any, list]]:
+    """(the subset's schemas, a seeded sample of ``sample`` when given; its valid instances by id)."""
+    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if sample is not None and sample < len(items):
+        items = random.Random(seed).sample(items, sample)
+    instances = {}
+    inst_path = corpus / "valid_instances" / path.name
+    if inst_path.is_file():
+        for line in inst_path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                instances[rec["id"]] = rec["valid"]
+    return items, instances
+
+
+@dataclass
+class _Tally:
+    """What a run counts across subsets: refusal reasons, relaxed keywords, and the first
+    ``generate`` compiled schemas (to generate from afterwards)."""
+
+    backend: str
+    generate: int
+    reasons: Counter[str] = field(default_factory=Counter)
+    relaxed: Counter[str] = field(default_factory=Counter)
+    compiled_schemas: list[dict] = field(default_factory=list)
+
+    def record(self, sub: SubsetCoverage, item_id: Any, schema: Any, values: list[Any],
+               outcome: tuple[str, float, str, tuple[list[str], list[str]]]) -> None:
+        """Count one schema's ``_CompilePool.run`` outcome into ``sub`` and the tally."""
+        status, ms, error, (rejected, undetermined) = outcome
+        if status == "refused":
+            sub.refused += 1
+            self.reasons[error] += 1
+        elif status == "ok":
+            sub.compiled += 1
+            if len(self.compiled_schemas) < self.generate:
+                self.compiled_schemas.append(schema.schema)
+            if error:
+                sub.relaxed += 1
+                self.relaxed.update({re.sub(r"\s*\(\d+ times\)", "", w) for w in error.split("; ")})
+            sub.compile_ms.append(ms)
+            sub.instances_checked += len(values)
+            sub.instances_rejected += len(rejected)
+            sub.instances_undetermined += len(undetermined)
+            sub.rejected_examples += [f"{item_id}: {t}" for t in rejected[:1]]
+            sub.rejected_examples += [f"{item_id} (undetermined): {t}" for t in undetermined[:1]]
+        elif status == "timeout":
+            sub.timeouts += 1
+            self.reasons["compile timeout"] += 1
+        else:
+            sub.errors += 1
+            self.reasons[f"{self.backend}: {error[:80]}"] += 1
+
+
+def _cover_subset(path: Path, corpus: Path, pool: _CompilePool, tally: _Tally, *, sample: int | None, seed: int,
+                  timeout_s: float, progress: Callable[[str, int, int], None] | None) -> SubsetCoverage:
+    """One subset's schemas, each compiled in ``pool`` with its valid instances checked."""
+    items, instances = _subset_items(path, corpus, sample, seed)
+    sub = SubsetCoverage(path.stem)
+    for n, item in enumerate(items, start=1):
+        sub.schemas += 1
+        try:
+            schema = load_schema(item["schema"])
+        except ConstrainedSpecError as e:
+            sub.refused += 1
+            tally.reasons[type(e).__name__] += 1
+            continue
+        values = instances.get(item["id"], [])
+        tally.record(sub, item["id"], schema, values, pool.run(schema, values, timeout_s))
+        if progress is not None:
+            progress(path.stem, n, len(items))
+    return sub
+
+
+def _total(results: list[SubsetCoverage]) -> SubsetCoverage:
+    """The subsets' counts summed, as the "all" row."""
+    total = SubsetCoverage("all")
+    for sub in results:
+        for name in ("schemas", "compiled", "refused", "timeouts", "errors", "relaxed", "instances_checked",
+                     "instances_rejected", "instances_undetermined"):
+            setattr(total, name, getattr(total, name) + getattr(sub, name))
+        total.compile_ms += sub.compile_ms
+    return total
 
 
 def _generate_check(schemas: list[dict], model: Any, backend: str, lenient: bool) -> dict[str, Any]:

@@ -266,6 +266,21 @@ def request_strategy() -> Any:
     json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                                 st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                                max_leaves=12)
+    messages = st.one_of(
+        st.just([{"role": "user", "content": PROMPT}]),
+        st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
+                                        "content": st.one_of(st.text(max_size=40), scalars)}), max_size=3),
+        json_values,
+    )
+    unknown_fields = st.dictionaries(st.text(min_size=1, max_size=10), json_values, max_size=2)
+    return st.one_of(st.builds(_assemble, messages, _constraint_strategy(st, json_values),
+                               _options_strategy(st, scalars, json_values), unknown_fields, st.booleans()),
+                     st.binary(max_size=64))
+
+
+def _schema_strategy(st: Any, json_values: Any) -> Any:
+    """Random schemas, some of them invalid or refused: leaves of every type with random
+    keywords, refs near and far, nested in objects, arrays, ``anyOf`` and ``oneOf``."""
     leaf_schemas = st.one_of(
         st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null"])}),
         st.fixed_dictionaries({"type": st.just("string")}, optional={
@@ -279,7 +294,7 @@ def request_strategy() -> Any:
         st.fixed_dictionaries({"$ref": st.sampled_from(["#/x", "http://h/s.json", "#", "file:///etc/passwd"])}),
         json_values,
     )
-    schemas = st.recursive(leaf_schemas, lambda inner: st.one_of(
+    return st.recursive(leaf_schemas, lambda inner: st.one_of(
         st.fixed_dictionaries({"type": st.just("object"),
                                "properties": st.dictionaries(st.text(max_size=6), inner, max_size=3)},
                               optional={"required": st.lists(st.text(max_size=6), max_size=3),
@@ -290,15 +305,15 @@ def request_strategy() -> Any:
         st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)}),
         st.fixed_dictionaries({"oneOf": st.lists(inner, max_size=3)}),
     ), max_leaves=6)
+
+
+def _constraint_strategy(st: Any, json_values: Any) -> Any:
+    """A request's constraint fields: none, a schema or pattern in each way a request can give
+    one, a choice, or random values where they go."""
+    schemas = _schema_strategy(st, json_values)
     patterns = st.one_of(st.text(alphabet="ab()[]{}|*+?.^$\\-0123456789,:dws", max_size=16),
                          st.sampled_from([r"[a-z]{1,8}", r"\d{2,4}", "(ab|cd)+", "a{3}b?", "[A-Z][a-z]+"]))
-    messages = st.one_of(
-        st.just([{"role": "user", "content": PROMPT}]),
-        st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
-                                        "content": st.one_of(st.text(max_size=40), scalars)}), max_size=3),
-        json_values,
-    )
-    constraint = st.one_of(
+    return st.one_of(
         st.just({}),
         st.builds(lambda s, strict: {"response_format": _schema(s, strict)}, schemas, st.booleans()),
         st.builds(lambda s: {"structured_outputs": {"json": s}}, schemas),
@@ -307,7 +322,11 @@ def request_strategy() -> Any:
         st.builds(lambda rf: {"response_format": rf}, json_values),
         st.builds(lambda so: {"structured_outputs": so}, json_values),
     )
-    options = st.fixed_dictionaries({}, optional={
+
+
+def _options_strategy(st: Any, scalars: Any, json_values: Any) -> Any:
+    """A request's other fields, each absent, in range, out of range or of the wrong type."""
+    return st.fixed_dictionaries({}, optional={
         "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), scalars),
         "max_tokens": st.one_of(st.integers(1, 8), st.integers(-5, 0), scalars),
         "seed": st.one_of(st.integers(0, 2**31), scalars),
@@ -320,19 +339,16 @@ def request_strategy() -> Any:
             "k_max": st.integers(-1, 80), "adaptive": st.booleans()}), json_values),
         "model": st.sampled_from(["default", "other", ""]),
     })
-    unknown_fields = st.dictionaries(st.text(min_size=1, max_size=10), json_values, max_size=2)
 
-    def assemble(msgs: Any, cons: dict[str, Any], opts: dict[str, Any], extra: dict[str, Any],
-                 with_extra: bool) -> dict[str, Any]:
-        body = {"messages": msgs, **cons, **opts, **(extra if with_extra else {})}
-        tokens = body.get("max_tokens", 9)
-        if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens > 8:
-            body["max_tokens"] = 8  # keep every accepted request short (wrong values stay wrong)
-        return body
 
-    return st.one_of(st.builds(assemble, messages, constraint, options, unknown_fields,
-                               st.booleans()),
-                     st.binary(max_size=64))
+def _assemble(msgs: Any, cons: dict[str, Any], opts: dict[str, Any], extra: dict[str, Any],
+              with_extra: bool) -> dict[str, Any]:
+    """One request body from its drawn parts."""
+    body = {"messages": msgs, **cons, **opts, **(extra if with_extra else {})}
+    tokens = body.get("max_tokens", 9)
+    if isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens > 8:
+        body["max_tokens"] = 8  # keep every accepted request short (wrong values stay wrong)
+    return body
 
 
 def run_fuzz(url: str, *, examples: int = 1000, seed: int | None = None, api_key: str | None = None,

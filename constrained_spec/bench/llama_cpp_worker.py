@@ -8,7 +8,8 @@ each call from its side, round trip included (a pipe's latency is negligible aga
 
 Protocol, one JSON object a line each way:
 ``{"op": "grammar", "schema": {...}}`` -> ``{"id": N}`` (a grammar built from the JSON schema);
-``{"op": "generate", "grammar": N, "ids": [...], "max_tokens": M}`` -> ``{"text": "..."}``;
+``{"op": "generate", "grammar": N, "ids": [...], "max_tokens": M}`` -> ``{"text": "..."}`` (``"grammar": null``:
+unconstrained, llama.cpp's plain decoding);
 an error -> ``{"error": "..."}``. End of input ends the process.
 """
 
@@ -35,7 +36,8 @@ def serve(model_path: str, n_threads: int) -> None:
                 reply: dict[str, Any] = {"id": len(grammars) - 1}
             else:
                 llm.reset()  # no prompt reuse between calls
-                out = llm(msg["ids"], grammar=grammars[msg["grammar"]], max_tokens=msg["max_tokens"], temperature=0.0)
+                grammar = None if msg["grammar"] is None else grammars[msg["grammar"]]
+                out = llm(msg["ids"], grammar=grammar, max_tokens=msg["max_tokens"], temperature=0.0)
                 reply = {"text": out["choices"][0]["text"]}
         except Exception as e:  # noqa: BLE001  (reported to the bench, which leaves the prompt out)
             reply = {"error": f"{type(e).__name__}: {e}"}

@@ -160,71 +160,93 @@ def run_long_prompt_bench(tokens: int = 3900, short: int = 4, arrival: float = 1
     handle = load_model()
     doc = long_document(handle.tokenizer, tokens)
     shorts = [json.loads(line)["text"] for line in (DATA / "people.jsonl").read_text().splitlines()[:short]]
-    person_fields = describe_fields(Person.model_json_schema())
-    long_prompt = DEFAULT_PROMPT_TEMPLATE.format(fields=person_fields, text=doc)
+    long_prompt = DEFAULT_PROMPT_TEMPLATE.format(fields=describe_fields(Person.model_json_schema()), text=doc)
     rows = []
     for mode, chunk in (("chunked prefill (now)", None), ("one-step prefill (before)", 0)):
         row = LongPromptRow(mode)
         row.prompt_tokens = len(handle.tokenizer(long_prompt)["input_ids"])
-        outcomes: list[Any] = []
-
-        # 1. Alone, with memory.
         engine = BatchEngine(handle.model, max_batch=16, precision=handle.precision, prefix_cache=PrefixCache(),
                              prefill_chunk=chunk)
-        row.rss_idle_mib = _rss_mib()
         progress(f"{mode}: the long request alone")
-        with _PeakMemory() as peak:
-            t0 = time.perf_counter()
-            req = _submit(engine, handle, Person, long_prompt)
-            while engine.busy:
-                engine.step()
-                row.kv_peak_mib = max(row.kv_peak_mib, engine.cache.allocated_bytes / 2**20)
-            row.long_alone_s = time.perf_counter() - t0
-        outcomes.append(req)
-        row.rss_peak_mib, row.rss_after_mib = peak.peak, _rss_mib()
-
-        # 2. With short requests arriving ``arrival`` seconds after it.
+        alone = _long_alone(engine, handle, row, long_prompt)
         progress(f"{mode}: the long request with {short} short ones arriving {arrival:g} s after it")
-        engine.prefix_cache = PrefixCache()  # the server's default cache, but cold: nothing from the run alone
-        t0 = time.perf_counter()
-        long_req = _submit(engine, handle, Person, long_prompt)
-        pending = list(shorts)
-        ends: dict[Any, float] = {}
-        short_reqs: list[Any] = []
-        while engine.busy or pending:
-            if pending and time.perf_counter() - t0 >= arrival:
-                short_reqs = [_submit(engine, handle, Person, DEFAULT_PROMPT_TEMPLATE.format(fields=person_fields, text=t))
-                              for t in pending]
-                pending = []
-            if not engine.busy:
-                time.sleep(0.01)
-                continue
-            for done in engine.step():
-                ends[done] = time.perf_counter() - t0
-        row.long_with_short_s = ends[long_req]
-        row.short_s = [ends[r] - arrival for r in short_reqs]
-        outcomes += [long_req, *short_reqs]
-
-        # 3. Three schemas over one document, the document first.
+        with_short = _long_with_short(engine, handle, row, long_prompt, shorts, arrival)
         progress(f"{mode}: three schemas over one document" + (" (prefix cache on)" if chunk is None else " (cache off)"))
         engine = BatchEngine(handle.model, max_batch=16, precision=handle.precision,
                              prefix_cache=PrefixCache() if chunk is None else False, prefill_chunk=chunk)
-        for schema in (Person, Contact, Job):
-            prompt = DOCUMENT_FIRST_TEMPLATE.format(fields=describe_fields(schema.model_json_schema()), text=doc)
-            first: list[float] = []
-            t0 = time.perf_counter()
-            req = _submit(engine, handle, schema, prompt,
-                          on_tokens=lambda _t, first=first, t0=t0: first or first.append(time.perf_counter() - t0))
-            list(engine.run())
-            row.reuse_s.append(time.perf_counter() - t0)
-            row.reuse_first_token_s.append(first[0] if first else row.reuse_s[-1])
-            row.reuse_tokens.append(len(req.result.tokens))
-            outcomes.append(req)
+        reused = _schemas_over_one_document(engine, handle, row, doc)
+        outcomes = [alone, *with_short, *reused]
         row.outputs = len(outcomes)
         row.valid = sum(_valid(handle, r) for r in outcomes)
         row.stopped = sum(r.decoder.repetition is not None for r in outcomes)
         rows.append(row)
     return rows
+
+
+def _long_alone(engine: Any, handle: Any, row: LongPromptRow, long_prompt: str) -> Any:
+    """1. The long request alone on a fresh ``engine``, with memory: the request."""
+    from .batch import Person
+
+    row.rss_idle_mib = _rss_mib()
+    with _PeakMemory() as peak:
+        t0 = time.perf_counter()
+        req = _submit(engine, handle, Person, long_prompt)
+        while engine.busy:
+            engine.step()
+            row.kv_peak_mib = max(row.kv_peak_mib, engine.cache.allocated_bytes / 2**20)
+        row.long_alone_s = time.perf_counter() - t0
+    row.rss_peak_mib, row.rss_after_mib = peak.peak, _rss_mib()
+    return req
+
+
+def _long_with_short(engine: Any, handle: Any, row: LongPromptRow, long_prompt: str, shorts: list[str],
+                     arrival: float) -> list[Any]:
+    """2. The long request with short ones arriving ``arrival`` seconds after it, on step 1's
+    ``engine`` with a cold prefix cache: every request."""
+    from ..decoding import PrefixCache
+    from .batch import Person
+    from ..pipelines.extract import DEFAULT_PROMPT_TEMPLATE, describe_fields
+
+    person_fields = describe_fields(Person.model_json_schema())
+    engine.prefix_cache = PrefixCache()  # the server's default cache, but cold: nothing from the run alone
+    t0 = time.perf_counter()
+    long_req = _submit(engine, handle, Person, long_prompt)
+    pending = list(shorts)
+    ends: dict[Any, float] = {}
+    short_reqs: list[Any] = []
+    while engine.busy or pending:
+        if pending and time.perf_counter() - t0 >= arrival:
+            short_reqs = [_submit(engine, handle, Person, DEFAULT_PROMPT_TEMPLATE.format(fields=person_fields, text=t))
+                          for t in pending]
+            pending = []
+        if not engine.busy:
+            time.sleep(0.01)
+            continue
+        for done in engine.step():
+            ends[done] = time.perf_counter() - t0
+    row.long_with_short_s = ends[long_req]
+    row.short_s = [ends[r] - arrival for r in short_reqs]
+    return [long_req, *short_reqs]
+
+
+def _schemas_over_one_document(engine: Any, handle: Any, row: LongPromptRow, doc: str) -> list[Any]:
+    """3. Three schemas over one document, the document first, on a fresh ``engine``: every request."""
+    from .batch import Person
+    from ..pipelines.extract import describe_fields
+
+    reqs = []
+    for schema in (Person, Contact, Job):
+        prompt = DOCUMENT_FIRST_TEMPLATE.format(fields=describe_fields(schema.model_json_schema()), text=doc)
+        first: list[float] = []
+        t0 = time.perf_counter()
+        req = _submit(engine, handle, schema, prompt,
+                      on_tokens=lambda _t, first=first, t0=t0: first or first.append(time.perf_counter() - t0))
+        list(engine.run())
+        row.reuse_s.append(time.perf_counter() - t0)
+        row.reuse_first_token_s.append(first[0] if first else row.reuse_s[-1])
+        row.reuse_tokens.append(len(req.result.tokens))
+        reqs.append(req)
+    return reqs
 
 
 @dataclass

@@ -54,23 +54,14 @@ def run_neighbour_bench(limit: int = 3, max_new_tokens: int = 256, llama_cpp: bo
     from ..api import generate_json
     from ..models import threads
     from ..models.loading import load_model
-    from .single import DEFAULT_PROMPTS, llama_cpp_row, load_prompts
+    from .single import DEFAULT_PROMPTS, load_prompts
 
     handle = load_model()
     items = load_prompts(DEFAULT_PROMPTS, limit)
     start_threads = torch.get_num_threads()
     governor = threads.ThreadGovernor(start_threads)
     fixed = threads._Fixed(start_threads)
-    llama = llama_cpp_row(max_new_tokens) if llama_cpp else None
-    llama_calls = []
-    if llama is not None:
-        from ..api import load_schema
-
-        for item in items:
-            text = handle.tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
-                                                        add_generation_prompt=True, tokenize=False)
-            ids = handle.tokenizer(text, add_special_tokens=False)["input_ids"]
-            llama_calls.append(llama(load_schema(item["schema"]), text, ids))
+    llama_calls = _llama_calls(handle, items, max_new_tokens) if llama_cpp else []
 
     def ours(drafter: str, policy: Any) -> Callable[[], None]:
         def run() -> None:
@@ -94,29 +85,50 @@ def run_neighbour_bench(limit: int = 3, max_new_tokens: int = 256, llama_cpp: bo
     try:
         ours("none", fixed)()  # warm: first-call allocations, compiled constraints
         for neighbour, command in NEIGHBOURS.items():
-            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if command else None
-            try:
-                if proc is not None:
-                    time.sleep(1.0)  # let it get going (a torch import takes about that)
-                for name, run in configs.items():
-                    torch.set_num_threads(start_threads)
-                    governor.reset()
-                    if name.endswith("thread governor"):
-                        # Two samples an interval apart, as a process that has been running has
-                        # them: the run starts at the thread count the load calls for, not at
-                        # the most threads for its first interval.
-                        governor.update()
-                        time.sleep(governor.interval)
-                        governor.update()
-                    t0 = time.perf_counter()
-                    run()
-                    rows[name].seconds[neighbour] = time.perf_counter() - t0
-                    progress(f"{neighbour}: {name} {rows[name].seconds[neighbour]:.2f} s")
-            finally:
-                if proc is not None:
-                    proc.kill()
-                    proc.wait()
+            _time_beside(neighbour, command, configs, rows, governor, start_threads, progress)
     finally:
         threads._GOVERNOR = saved
         torch.set_num_threads(start_threads)
     return list(rows.values())
+
+
+def _llama_calls(handle: Any, items: list[dict[str, Any]], max_new_tokens: int) -> list[Callable[[], str]]:
+    """llama.cpp's grammar path on the model's GGUF file, one call per prompt; none where it cannot run here."""
+    from ..api import encode_prompt, load_schema
+    from .single import llama_cpp_rows
+
+    rows = llama_cpp_rows(handle.gguf_file, max_new_tokens) if handle.gguf_file is not None else {}
+    llama = rows.get("llama.cpp grammar (reference)")
+    if llama is None:
+        return []
+    return [llama(load_schema(item["schema"]), item["prompt"], encode_prompt(handle, item["prompt"]), max_new_tokens)
+            for item in items]
+
+
+def _time_beside(neighbour: str, command: list[str] | None, configs: dict[str, Callable[[], None]],
+                 rows: dict[str, NeighbourRow], governor: Any, start_threads: int,
+                 progress: Callable[[str], None]) -> None:
+    """Time every configuration with ``command`` running beside it (None: alone); the
+    neighbour starts a second before the runs and is killed after them."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if command else None
+    try:
+        if proc is not None:
+            time.sleep(1.0)  # let it get going (a torch import takes about that)
+        for name, run in configs.items():
+            torch.set_num_threads(start_threads)
+            governor.reset()
+            if name.endswith("thread governor"):
+                # Two samples an interval apart, as a process that has been running has
+                # them: the run starts at the thread count the load calls for, not at
+                # the most threads for its first interval.
+                governor.update()
+                time.sleep(governor.interval)
+                governor.update()
+            t0 = time.perf_counter()
+            run()
+            rows[name].seconds[neighbour] = time.perf_counter() - t0
+            progress(f"{neighbour}: {name} {rows[name].seconds[neighbour]:.2f} s")
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()

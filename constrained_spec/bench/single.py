@@ -19,12 +19,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..api import generate_json
+from ..api import encode_prompt, generate_json
 from ..constraint import JsonSchema, compile_constraint, load_schema, schema_to_regex
 from ..decoding import DecodeStats
 from ..errors import ConstrainedSpecError, InvalidOptionError
 from ..models import ModelHandle, resolve_model
-from ..models.loading import DEFAULT_MODEL_NAME
 from .quality import field_accuracy
 
 #: The extraction prompts shipped with the package (schemas inline), so an installed wheel runs them.
@@ -198,7 +197,7 @@ def load_prompts(path: Path | str = DEFAULT_PROMPTS, limit: int | None = None) -
 
 #: A reference row: given the schema, the chat-formatted prompt text and its token ids, compile
 #: whatever it needs (outside the timing) and return the call to time, which returns text.
-Reference = Callable[[JsonSchema, str, list[int]], Callable[[], str]]
+Reference = Callable[[JsonSchema, str, list[int], int], Callable[[], str]]
 
 
 def outlines_row(handle: ModelHandle, max_new_tokens: int) -> Reference:
@@ -208,7 +207,7 @@ def outlines_row(handle: ModelHandle, max_new_tokens: int) -> Reference:
 
     model = outlines.from_transformers(handle.model, handle.tokenizer)
 
-    def prepare(schema: JsonSchema, text: str, ids: list[int]) -> Callable[[], str]:
+    def prepare(schema: JsonSchema, text: str, ids: list[int], tokens: int) -> Callable[[], str]:
         gen = outlines.Generator(model, Regex(schema_to_regex(schema.schema)))
         gen(text, max_new_tokens=2, do_sample=False)  # compile its own index outside the timing
         return lambda: gen(text, max_new_tokens=max_new_tokens, do_sample=False)
@@ -216,28 +215,31 @@ def outlines_row(handle: ModelHandle, max_new_tokens: int) -> Reference:
     return prepare
 
 
-def llama_cpp_row(max_new_tokens: int) -> Reference | None:
-    """llama.cpp's own grammar path (llama-cpp-python) on the embedded GGUF as stored, with the
-    grammar llama.cpp builds from the JSON schema; None where llama-cpp-python is not installed.
-    The same prompt token ids; its prompt cache is reset before each call (no reuse). It runs in
-    a process of its own (``bench.llama_cpp_worker``), so a crash there costs the row, not the run."""
+def llama_cpp_rows(gguf_file: Path, max_new_tokens: int) -> dict[str, Reference]:
+    """llama.cpp (llama-cpp-python) on the very GGUF file our model was loaded from, as stored:
+    its grammar path, with the grammar llama.cpp builds from the JSON schema, and its plain
+    decoding with no grammar at all, asked for as many tokens as our target-only run emitted (so
+    both rows decode the same length); empty where llama-cpp-python is not installed. The same
+    prompt token ids; its prompt cache is reset before each call (no reuse). It runs in a process
+    of its own (``bench.llama_cpp_worker``), so a crash there costs the rows, not the run."""
     import importlib.util
 
     if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    from ..models.loading import DEFAULT_MODEL_FILE, _default_gguf_dir  # the embedded model only
-
+        return {}
     try:
-        worker = LlamaCppWorker(str(_default_gguf_dir() / DEFAULT_MODEL_FILE), os.cpu_count() or 1)
+        worker = LlamaCppWorker(str(gguf_file), os.cpu_count() or 1)
     except RuntimeError as e:  # it could not even load and warm up: no row, and say why
-        print(f"No llama.cpp row: {e}", file=sys.stderr)
-        return None
+        print(f"No llama.cpp rows: {e}", file=sys.stderr)
+        return {}
 
-    def prepare(schema: JsonSchema, text: str, ids: list[int]) -> Callable[[], str]:
+    def grammar(schema: JsonSchema, text: str, ids: list[int], tokens: int) -> Callable[[], str]:
         grammar = worker.ask({"op": "grammar", "schema": schema.schema})["id"]
         return lambda: worker.ask({"op": "generate", "grammar": grammar, "ids": ids, "max_tokens": max_new_tokens})["text"]
 
-    return prepare
+    def plain(schema: JsonSchema, text: str, ids: list[int], tokens: int) -> Callable[[], str]:
+        return lambda: worker.ask({"op": "generate", "grammar": None, "ids": ids, "max_tokens": tokens})["text"]
+
+    return {"llama.cpp grammar (reference)": grammar, "llama.cpp, no grammar, same length (reference)": plain}
 
 
 class LlamaCppWorker:
@@ -308,107 +310,23 @@ def run_bench(
     llama.cpp's grammar path (``llama_cpp``). "field_accuracy" counts the extracted fields that
     equal the prompt's ``expected`` values (``bench.quality``).
     """
-    if precisions:
-        from ..models import load_model
-
-        handles = {p: load_model(model, precision=p) for p in precisions}
-    else:
-        h = resolve_model(model)
-        handles = {h.precision: h}
+    handles = _handles(model, precisions)
     labels = list(handles)
     handle = handles[labels[0]]
-    if workload == "generation":  # held-out schemas (Glaiveai2K): never seen by a trained head
-        from ..pipelines.drafter_data import generation_workload
-
-        items = generation_workload(limit=limit or 20)
-        if not items:
-            raise InvalidOptionError("Invalid workload: no Glaiveai2K schemas found (set $CONSTRAINED_SPEC_SCHEMA_DATA).")
-    elif workload == "extraction":
-        items = load_prompts(prompts, limit)
-    else:
-        raise InvalidOptionError(f"Invalid workload: expected 'extraction' or 'generation', got {workload!r}.")
+    items = _workload_items(workload, prompts, limit)
     configs = configs or default_configs(head=has_shipped_head(handle))
-
-    def label(precision: str, config: BenchConfig) -> str:
-        return config.name if len(labels) == 1 else f"{precision}: {config.name}"
-
-    figures = {label(p, c): ConfigFigures(label(p, c)) for p in labels for c in configs}
-    references: dict[str, tuple[Reference, ConfigFigures]] = {}
-    if outlines_reference:
-        name = "outlines + transformers (reference)"
-        references[name] = (outlines_row(handle, max_new_tokens), ConfigFigures(name))
-    llama = llama_cpp_row(max_new_tokens) if llama_cpp and handle.name.startswith(DEFAULT_MODEL_NAME) else None
-    if llama is not None:
-        name = "llama.cpp grammar, Q4_1 GGUF (reference)"
-        references[name] = (llama, ConfigFigures(name))
+    figures = {_label(labels, p, c): ConfigFigures(_label(labels, p, c)) for p in labels for c in configs}
+    references = _references(handle, max_new_tokens, outlines_reference, llama_cpp)
     # Warm up once (first-call allocations, thread pools) so no configuration pays for it.
     for h in handles.values():
         generate_json(h, {"type": "boolean"}, "Is water wet?", drafter="none", max_new_tokens=4)
-    profile_used = None
-    runs_order = [(p, c) for p in labels for c in configs]
-    for i, item in enumerate(items):
-        schema = load_schema(item["schema"])
-        compile_constraint(schema, handle.tokenizer)  # compile outside the timings
-        # The configurations take turns going first (rotated per prompt), so a slow start or a
-        # warm cache does not always favour the same row.
-        runs = {}
-        shift = i % len(runs_order)
-        for precision, config in runs_order[shift:] + runs_order[:shift]:
-            t0 = time.perf_counter()
-            stream = generate_json(handles[precision], schema, item["prompt"], drafter=config.drafter,  # type: ignore[arg-type]
-                                   draft=config.draft, k_max=config.k_max, adaptive=config.adaptive,
-                                   profile=profile, max_new_tokens=max_new_tokens, stream=True)
-            try:
-                for _ in stream:
-                    pass
-                value = stream.value
-            except ConstrainedSpecError as e:
-                # A generation that ends in an error (the token limit, a loop) is timed too and
-                # compared by its text: greedy identity holds for errors as well.
-                value = {"error": type(e).__name__, "text": stream.text}
-            stats = stream.stats or stream._decoder.stats  # an error inside a step leaves the figures there
-            runs[label(precision, config)] = (stats, time.perf_counter() - t0, value)
-            profile_used = stats.profile
-        expected = item.get("expected")
-        for precision in labels:
-            base_value = runs[label(precision, configs[0])][2]
-            for config in configs:
-                figures[label(precision, config)].add(*runs[label(precision, config)], base_value, expected)
-        base_value = runs[label(labels[0], configs[0])][2]
-        text = handle.tokenizer.apply_chat_template(
-            [{"role": "user", "content": item["prompt"]}], add_generation_prompt=True, tokenize=False)
-        ids = handle.tokenizer(text, add_special_tokens=False)["input_ids"]
-        for prepare, row in references.values():
-            try:
-                call = prepare(schema, text, ids)
-                t0 = time.perf_counter()
-                out = call()
-            except Exception:  # noqa: BLE001  (an outside engine that cannot take this schema: not counted)
-                continue
-            row.seconds += time.perf_counter() - t0
-            row.output_tokens += len(handle.tokenizer(out, add_special_tokens=False)["input_ids"])
-            try:
-                value = json.loads(out)
-            except json.JSONDecodeError:
-                value = None  # cut off at the token limit: counts as different and wrong
-            row.add_value(value, base_value, expected)
-        if progress is not None:
-            progress(i + 1, len(items))
-    baseline = figures[label(labels[0], configs[0])]
-    rows = [f.summary(baseline) for f in figures.values()]
-    if len(labels) > 1:  # greedy agreement across precisions: each row against the first precision's target-only
-        for row, fig in zip(rows, figures.values()):
-            row["same_as_first_precision"] = f"{sum(a == b for a, b in zip(fig.outputs, baseline.outputs))}/{fig.prompts}"
-    rows += [row.summary(baseline) for _, row in references.values()]
-    # A one-token target step (target-only, after each prompt's pass): what a head token's cost is weighed against.
-    steps = [t for st in baseline.traces for t in st.step_seconds[1:]]
-    one_step_ms = 1000 * float(np.median(steps)) if steps else None
-    for row in rows:
-        ms = row.get("head_ms_per_draft_token")
-        row["head_cost_vs_target_step"] = round(ms / one_step_ms, 3) if ms and one_step_ms else None
-    default = figures.get(label(labels[-1], configs[-1])) or list(figures.values())[-1]
+    profile_used = _run_prompts(items, handles, configs, figures, references, profile=profile,
+                                max_new_tokens=max_new_tokens, progress=progress)
+    baseline = figures[_label(labels, labels[0], configs[0])]
+    rows, one_step_ms = _summary_rows(figures, baseline, references, len(labels) > 1)
+    default = figures.get(_label(labels, labels[-1], configs[-1])) or list(figures.values())[-1]
     return {
-        "model": handle.name if len(labels) == 1 else "SmolLM2-135M-Instruct",
+        "model": handle.name if len(labels) == 1 else handle.name.split(" (")[0],  # without the precision
         "dtype": ", ".join(labels),
         "precision": ", ".join(labels),
         "profile": profile_used,
@@ -420,6 +338,141 @@ def run_bench(
         "outputs": {item["id"]: default.outputs[j] for j, item in enumerate(items)},
         "trace": _trace(baseline, default, items),
     }
+
+
+def _handles(model: Any, precisions: tuple[str, ...] | None) -> dict[str, ModelHandle]:
+    """The model once per precision (the embedded model's), or as given, keyed by precision."""
+    if precisions:
+        from ..models import load_model
+
+        return {p: load_model(model, precision=p) for p in precisions}
+    h = resolve_model(model)
+    return {h.precision: h}
+
+
+def _workload_items(workload: str, prompts: Path | str, limit: int | None) -> list[dict[str, Any]]:
+    """The prompts of ``workload``: the extraction prompts, or held-out schemas to generate from."""
+    if workload == "generation":  # held-out schemas (Glaiveai2K): never seen by a trained head
+        from ..pipelines.drafter_data import generation_workload
+
+        items = generation_workload(limit=limit or 20)
+        if not items:
+            raise InvalidOptionError("Invalid workload: no Glaiveai2K schemas found (set $CONSTRAINED_SPEC_SCHEMA_DATA).")
+        return items
+    if workload == "extraction":
+        return load_prompts(prompts, limit)
+    raise InvalidOptionError(f"Invalid workload: expected 'extraction' or 'generation', got {workload!r}.")
+
+
+def _run_prompts(items: list[dict[str, Any]], handles: dict[str, ModelHandle], configs: list[BenchConfig],
+                 figures: dict[str, ConfigFigures], references: dict[str, tuple[Reference, ConfigFigures]], *,
+                 profile: str | None, max_new_tokens: int, progress: Callable[[int, int], None] | None) -> str | None:
+    """Time every configuration at every precision, then the references, on each prompt in
+    turn, adding each run to its row's figures; the profile the last run used."""
+    labels = list(handles)
+    handle = handles[labels[0]]
+    profile_used = None
+    runs_order = [(p, c) for p in labels for c in configs]
+    for i, item in enumerate(items):
+        schema = load_schema(item["schema"])
+        compile_constraint(schema, handle.tokenizer)  # compile outside the timings
+        # The configurations take turns going first (rotated per prompt), so a slow start or a
+        # warm cache does not always favour the same row.
+        shift = i % len(runs_order)
+        runs = {_label(labels, precision, config): _timed_run(handles[precision], config, schema, item["prompt"],
+                                                              profile, max_new_tokens)
+                for precision, config in runs_order[shift:] + runs_order[:shift]}
+        profile_used = list(runs.values())[-1][0].profile  # the last run's
+        for precision in labels:
+            base_value = runs[_label(labels, precision, configs[0])][2]
+            for config in configs:
+                figures[_label(labels, precision, config)].add(*runs[_label(labels, precision, config)], base_value,
+                                                               item.get("expected"))
+        base = runs[_label(labels, labels[0], configs[0])]
+        _time_references(references, handle, schema, item, base[2], base[0].output_tokens)
+        if progress is not None:
+            progress(i + 1, len(items))
+    return profile_used
+
+
+def _label(labels: list[str], precision: str, config: BenchConfig) -> str:
+    """A row's name: the configuration's, with its precision when several are compared."""
+    return config.name if len(labels) == 1 else f"{precision}: {config.name}"
+
+
+def _references(handle: ModelHandle, max_new_tokens: int, outlines_reference: bool,
+                llama_cpp: bool) -> dict[str, tuple[Reference, ConfigFigures]]:
+    """The outside engines' rows that can run here, each with its figures."""
+    references: dict[str, tuple[Reference, ConfigFigures]] = {}
+    if outlines_reference:
+        name = "outlines + transformers (reference)"
+        references[name] = (outlines_row(handle, max_new_tokens), ConfigFigures(name))
+    if llama_cpp and handle.gguf_file is not None:
+        for name, row in llama_cpp_rows(handle.gguf_file, max_new_tokens).items():
+            references[name] = (row, ConfigFigures(name))
+    return references
+
+
+def _timed_run(handle: ModelHandle, config: BenchConfig, schema: JsonSchema, prompt: str, profile: str | None,
+               max_new_tokens: int) -> tuple[DecodeStats, float, Any]:
+    """(statistics, seconds, value) of one configuration on one prompt."""
+    t0 = time.perf_counter()
+    stream = generate_json(handle, schema, prompt, drafter=config.drafter,  # type: ignore[arg-type]
+                           draft=config.draft, k_max=config.k_max, adaptive=config.adaptive,
+                           profile=profile, max_new_tokens=max_new_tokens, stream=True)
+    try:
+        for _ in stream:
+            pass
+        value = stream.value
+    except ConstrainedSpecError as e:
+        # A generation that ends in an error (the token limit, a loop) is timed too and
+        # compared by its text: greedy identity holds for errors as well.
+        value = {"error": type(e).__name__, "text": stream.text}
+    stats = stream.stats or stream._decoder.stats  # an error inside a step leaves the figures there
+    return stats, time.perf_counter() - t0, value
+
+
+def _time_references(references: dict[str, tuple[Reference, ConfigFigures]], handle: ModelHandle,
+                     schema: JsonSchema, item: dict[str, Any], base_value: Any, base_tokens: int) -> None:
+    """Time each outside engine on the prompt, compared with target-only's value (``base_value``,
+    ``base_tokens`` long). They get the token ids our decoder starts from (through the chat
+    template where the model has one; a base model's prompt as written)."""
+    tok = handle.tokenizer
+    text = (tok.apply_chat_template([{"role": "user", "content": item["prompt"]}], add_generation_prompt=True,
+                                    tokenize=False) if getattr(tok, "chat_template", None) else item["prompt"])
+    ids = encode_prompt(handle, item["prompt"])
+    for prepare, row in references.values():
+        try:
+            call = prepare(schema, text, ids, base_tokens)
+            t0 = time.perf_counter()
+            out = call()
+        except Exception:  # noqa: BLE001  (an outside engine that cannot take this schema: not counted)
+            continue
+        row.seconds += time.perf_counter() - t0
+        row.output_tokens += len(handle.tokenizer(out, add_special_tokens=False)["input_ids"])
+        try:
+            value = json.loads(out)
+        except json.JSONDecodeError:
+            value = None  # cut off at the token limit: counts as different and wrong
+        row.add_value(value, base_value, item.get("expected"))
+
+
+def _summary_rows(figures: dict[str, ConfigFigures], baseline: ConfigFigures,
+                  references: dict[str, tuple[Reference, ConfigFigures]],
+                  several_precisions: bool) -> tuple[list[dict[str, Any]], float | None]:
+    """Every row's summary against ``baseline``, and the median one-token target step in ms."""
+    rows = [f.summary(baseline) for f in figures.values()]
+    if several_precisions:  # greedy agreement across precisions: each row against the first precision's target-only
+        for row, fig in zip(rows, figures.values()):
+            row["same_as_first_precision"] = f"{sum(a == b for a, b in zip(fig.outputs, baseline.outputs))}/{fig.prompts}"
+    rows += [row.summary(baseline) for _, row in references.values()]
+    # A one-token target step (target-only, after each prompt's pass): what a head token's cost is weighed against.
+    steps = [t for st in baseline.traces for t in st.step_seconds[1:]]
+    one_step_ms = 1000 * float(np.median(steps)) if steps else None
+    for row in rows:
+        ms = row.get("head_ms_per_draft_token")
+        row["head_cost_vs_target_step"] = round(ms / one_step_ms, 3) if ms and one_step_ms else None
+    return rows, one_step_ms
 
 
 def _trace(baseline: ConfigFigures, spec: ConfigFigures, items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -54,6 +54,10 @@ class _Tally:
                 self.problems.append(f"{kind} {name!r}: {problem or f'status {status}'}")
 
 
+#: Seconds between samples of the server's memory (and progress lines).
+SAMPLE_SECONDS = 5.0
+
+
 def run_soak(*, minutes: float = 10.0, clients: int = 16, url: str | None = None, pid: int | None = None,
              hostile_share: float = 0.5, max_requests: int = 100_000, warmup_minutes: float = 1.0,
              max_batch: int = 16, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -61,7 +65,6 @@ def run_soak(*, minutes: float = 10.0, clients: int = 16, url: str | None = None
     returns the report (see the module docstring)."""
     tally = _Tally()
     memory: list[tuple[float, float]] = []
-    names = sorted(HOSTILE)
     with (_started(max_batch, 4 * clients) if url is None else _given(url, pid)) as (base, proc_pid):
         start = time.monotonic()
         deadline = start + 60 * minutes
@@ -69,39 +72,11 @@ def run_soak(*, minutes: float = 10.0, clients: int = 16, url: str | None = None
         budget = [max_requests]
         stop = threading.Event()
         start_rss = resident_mib(proc_pid) if proc_pid else None
-
-        def client(i: int) -> None:
-            rng = random.Random(seed * 1000 + i)
-            while time.monotonic() < deadline:
-                with tally.lock:
-                    if budget[0] <= 0:
-                        return
-                    budget[0] -= 1
-                if rng.random() < hostile_share:
-                    name = rng.choice(names)
-                    request: Any = HOSTILE[name]
-                    kind = "hostile"
-                else:
-                    j = rng.randrange(len(VALID))
-                    name, request, kind = f"valid[{j}]", VALID[j], "valid"
-                answer = send(base, request, timeout=300)
-                tally.add(kind, name, answer.status, check_answer(request, answer))
-
-        def sample() -> None:
-            while not stop.wait(5.0):
-                rss = resident_mib(proc_pid) if proc_pid else None
-                if rss is not None:
-                    memory.append((time.monotonic() - start, rss))
-                if progress:
-                    with tally.lock:
-                        done = sum(tally.sent.values())
-                        bad = len(tally.problems)
-                    progress(f"{time.monotonic() - start:5.0f} s: {done} requests, {bad} problems"
-                             + (f", server {rss:.0f} MiB" if rss is not None else ""))
-
-        sampler = threading.Thread(target=sample, daemon=True)
+        sampler = threading.Thread(target=_sample, args=(stop, start, proc_pid, memory, tally, progress), daemon=True)
         sampler.start()
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        threads = [threading.Thread(target=_client, args=(base, tally, budget, deadline, random.Random(seed * 1000 + i),
+                                                          hostile_share))
+                   for i in range(clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -111,7 +86,48 @@ def run_soak(*, minutes: float = 10.0, clients: int = 16, url: str | None = None
         seconds = time.monotonic() - start
         end_rss = resident_mib(proc_pid) if proc_pid else None
         ok = healthy(base)
-    warm = [m for t, m in memory if t >= warm_at - start]
+    return _soak_report(tally, [m for t, m in memory if t >= warm_at - start], seconds=seconds, clients=clients,
+                        start_rss=start_rss, end_rss=end_rss, healthy_after=ok)
+
+
+def _client(base: str, tally: _Tally, budget: list[int], deadline: float, rng: random.Random,
+            hostile_share: float) -> None:
+    """One client: hostile or valid requests drawn by ``rng`` until the deadline or the budget ends."""
+    names = sorted(HOSTILE)
+    while time.monotonic() < deadline:
+        with tally.lock:
+            if budget[0] <= 0:
+                return
+            budget[0] -= 1
+        if rng.random() < hostile_share:
+            name = rng.choice(names)
+            request: Any = HOSTILE[name]
+            kind = "hostile"
+        else:
+            j = rng.randrange(len(VALID))
+            name, request, kind = f"valid[{j}]", VALID[j], "valid"
+        answer = send(base, request, timeout=300)
+        tally.add(kind, name, answer.status, check_answer(request, answer))
+
+
+def _sample(stop: threading.Event, start: float, proc_pid: int | None, memory: list[tuple[float, float]],
+            tally: _Tally, progress: Callable[[str], None] | None) -> None:
+    """Every ``SAMPLE_SECONDS`` until ``stop``: the server's resident memory into ``memory``, and progress."""
+    while not stop.wait(SAMPLE_SECONDS):
+        rss = resident_mib(proc_pid) if proc_pid else None
+        if rss is not None:
+            memory.append((time.monotonic() - start, rss))
+        if progress:
+            with tally.lock:
+                done = sum(tally.sent.values())
+                bad = len(tally.problems)
+            progress(f"{time.monotonic() - start:5.0f} s: {done} requests, {bad} problems"
+                     + (f", server {rss:.0f} MiB" if rss is not None else ""))
+
+
+def _soak_report(tally: _Tally, warm: list[float], *, seconds: float, clients: int, start_rss: float | None,
+                 end_rss: float | None, healthy_after: bool) -> dict[str, Any]:
+    """The report, from the counts and the memory samples taken after the warm-up (``warm``)."""
     warm_rss = warm[0] if warm else None
     peak_after = max(warm) if warm else None
     growth = (end_rss / warm_rss - 1) if end_rss and warm_rss else None
@@ -123,7 +139,7 @@ def run_soak(*, minutes: float = 10.0, clients: int = 16, url: str | None = None
         "server_errors": tally.statuses.get("5xx", 0), "no_answer": tally.statuses.get("no answer", 0),
         "rss_start_mib": _r(start_rss), "rss_after_warmup_mib": _r(warm_rss), "rss_peak_after_warmup_mib": _r(peak_after),
         "rss_end_mib": _r(end_rss), "rss_growth_after_warmup": None if growth is None else round(growth, 4),
-        "healthy_after": ok,
+        "healthy_after": healthy_after,
     }
 
 

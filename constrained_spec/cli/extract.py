@@ -50,48 +50,51 @@ def extract_cmd(
     On Ray Data (input: JSONL, a folder of JSONL, or Parquet; output: a folder):
     constrained-spec extract --engine ray --schema schemas/person.json --input docs.jsonl --output out/ --concurrency 2 --num-cpus 1
     """
-    from ..pipelines.extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, extract, read_documents
-
+    decoding = dict(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, k_max=k_max,
+                    profile=profile, adaptive=adaptive, backend=backend, lenient=lenient, whitespace=whitespace)
     if engine == "ray":
         _run_guarded(lambda: _extract_on_ray(
             schema, input, output, resume=resume, template=prompt_template.read_text() if prompt_template else None,
             fmt=output_format, address=address, model=model, draft=draft, batch_size=batch_size,
-            concurrency=concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
-            options=dict(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                         k_max=k_max, profile=profile, adaptive=adaptive, backend=backend, lenient=lenient,
-                         whitespace=whitespace)))
+            concurrency=concurrency, num_cpus=num_cpus, num_gpus=num_gpus, options=decoding))
         return
     if engine != "local":
         err.print(f"[red]error:[/] Invalid --engine: expected local or ray, got {engine!r}.")
         raise typer.Exit(2)
+    _run_guarded(lambda: _extract_locally(schema, input, output, resume=resume, prompt_template=prompt_template,
+                                          batch_size=batch_size, model=model, dtype=dtype, precision=precision,
+                                          draft=draft, server=server, decoding=decoding))
 
-    def go() -> None:
-        options = _options(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                           k_max=k_max, profile=profile, adaptive=adaptive, backend=backend, lenient=lenient,
-                           whitespace=whitespace)
-        spec = _schema_arg(schema)
-        template = prompt_template.read_text() if prompt_template else DEFAULT_PROMPT_TEMPLATE
-        if not input.exists():
-            raise ValueError(f"Invalid input: {input} does not exist.")
-        docs = list(read_documents(input))
-        writer = JsonlWriter(output, resume=resume)
-        todo = [(i, t) for i, t in docs if i not in writer.done_ids]
-        if len(todo) < len(docs):
-            err.print(f"[dim]resume: {len(docs) - len(todo)} of {len(docs)} documents already in {output}[/]")
-        if server:  # the running server decodes; --batch-size requests are in flight at once
-            import os
 
-            results = extract(spec, todo, prompt_template=template, batch_size=batch_size, options=options,
-                              server=server, api_key=os.environ.get("CONSTRAINED_SPEC_API_KEY"))
-        else:
-            results = extract(spec, todo, model=_model_arg(model, dtype, precision), draft=draft,
-                              prompt_template=template, batch_size=batch_size, options=options)
-        summary = _run_with_progress(results, len(todo), writer)
-        Console(stderr=True).print(_summary_table(summary, output))
-        if summary["failed"]:
-            raise typer.Exit(1) from None
+def _extract_locally(schema: str, input: Path, output: Path, *, resume: bool, prompt_template: Optional[Path],
+                     batch_size: int, model: Optional[str], dtype: Optional[str], precision: Optional[str],
+                     draft: Optional[str], server: Optional[str], decoding: dict[str, Any]) -> None:
+    """``extract --engine local``: in this process (or on ``server``), with a progress bar and a
+    summary; exits 1 when a document failed."""
+    from ..pipelines.extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, extract, read_documents
 
-    _run_guarded(go)
+    options = _options(**decoding)
+    spec = _schema_arg(schema)
+    template = prompt_template.read_text() if prompt_template else DEFAULT_PROMPT_TEMPLATE
+    if not input.exists():
+        raise ValueError(f"Invalid input: {input} does not exist.")
+    docs = list(read_documents(input))
+    writer = JsonlWriter(output, resume=resume)
+    todo = [(i, t) for i, t in docs if i not in writer.done_ids]
+    if len(todo) < len(docs):
+        err.print(f"[dim]resume: {len(docs) - len(todo)} of {len(docs)} documents already in {output}[/]")
+    if server:  # the running server decodes; --batch-size requests are in flight at once
+        import os
+
+        results = extract(spec, todo, prompt_template=template, batch_size=batch_size, options=options,
+                          server=server, api_key=os.environ.get("CONSTRAINED_SPEC_API_KEY"))
+    else:
+        results = extract(spec, todo, model=_model_arg(model, dtype, precision), draft=draft,
+                          prompt_template=template, batch_size=batch_size, options=options)
+    summary = _run_with_progress(results, len(todo), writer)
+    Console(stderr=True).print(_summary_table(summary, output))
+    if summary["failed"]:
+        raise typer.Exit(1) from None
 
 
 def _extract_on_ray(schema: str, input: Path, output: Path, *, resume: bool, template: Optional[str], fmt: str,

@@ -101,7 +101,6 @@ def serve_cmd(
         except ImportError as e:
             raise InvalidOptionError(f"serve needs the server extra ({e.name} is missing): "
                                      "pip install 'constrained_spec[server]'") from None
-        from ..constraint import set_cache_bytes
         from ..decoding import SpecOptions
         from ..models import resolve_model
         from ..serving.worker import limit_malloc_arenas
@@ -117,7 +116,6 @@ def serve_cmd(
         config = ServerConfig(max_batch=max_batch, max_queue=max_queue, request_timeout=request_timeout,
                               api_key=api_key or None, constraint_cache_bytes=int(constraint_cache_mb * (1 << 20)),
                               kv_memory=int(kv_memory_mb * (1 << 20)) if kv_memory_mb else None)
-        set_cache_bytes(config.constraint_cache_bytes)  # the process-wide cache behind the app's own
         err.print(f"serving {handle.name} ({handle.precision}) on http://{host}:{port}/v1"
                   f"{' (API key required)' if api_key else ''}")
         uvicorn.run(create_app(handle, draft=draft, options=options, config=config), host=host, port=port,

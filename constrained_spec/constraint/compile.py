@@ -3,8 +3,12 @@
 Every schema and pattern is first measured against ``ConstraintLimits`` (``constraint.limits``:
 depth, size, repetition counts), so what would cost seconds and gigabytes is refused before any
 backend sees it. One cache bounded by bytes (``set_cache_bytes``, default 256 MiB, or
-``$CONSTRAINED_SPEC_CONSTRAINT_CACHE_MB``) for every backend, keyed by (backend, vocabulary fingerprint, kind, the
-normalized schema or pattern, layout, lenient). A compile that must finish within ``timeout_s``:
+``$CONSTRAINED_SPEC_CONSTRAINT_CACHE_MB``) for every backend and every caller, keyed by (backend,
+vocabulary fingerprint, kind, the normalized schema or pattern, layout, lenient); the server's
+request-level entries (``compile_checked``: the constraint and the check of its output, keyed by
+the request's own schema or pattern) live in the same cache under the same bound.
+
+A compile that must finish within ``timeout_s``:
 llguidance bounds its own work (grammar size, lexer states, lexer fuel: ``PARSER_LIMITS`` and
 its defaults; the pathological schemas and patterns we tried compile in milliseconds once the
 tokenizer's tables are built), so it compiles once, in process, in a thread the caller stops waiting for at the deadline;
@@ -16,7 +20,10 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from typing import Any, Literal
+
+import regex
 
 from .. import config
 from ..errors import InvalidOptionError, InvalidRegexError
@@ -25,8 +32,10 @@ from .cache import ByteBoundedLRU
 from .layout import DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, whitespace_regex
 from .limits import DEFAULT_LIMITS, ConstraintLimits, check_regex_limits, check_schema_limits
 from .llguidance import compile_json_guidance, compile_regex_guidance
-from .outlines_core import compile_outlines, schema_to_regex
-from .schema import JsonSchema, load_schema
+from .outlines_core import compile_outlines
+from .outlines_core_schema import schema_to_regex
+from .schema import JsonSchema, close_objects, load_schema
+from .validator import compiled_pattern
 from .vocabulary import vocabulary_of
 
 Backend = Literal["auto", "outlines-core", "llguidance"]
@@ -46,7 +55,34 @@ def _cache_bytes_from_env() -> int:
     return int(config.read("constraint_cache_mb") * (1 << 20))
 
 
-_CACHE: ByteBoundedLRU[CompiledConstraint] = ByteBoundedLRU(_cache_bytes_from_env(), lambda c: c.nbytes)
+@dataclass(frozen=True)
+class CheckedConstraint:
+    """A compiled constraint and the check of its output after decoding (``compile_checked``).
+
+    Attributes:
+        compiled: the constraint to decode with.
+        schema: the schema outputs are validated against (JSON only; closed when asked).
+        checker: the pattern outputs must fully match (regex only; None when the pattern is in
+            the backend's syntax only, or no check was asked for).
+        schema_bytes: the schema's JSON text size, counted twice (its dict and the validator
+            built from it).
+    """
+
+    compiled: CompiledConstraint
+    schema: JsonSchema | None
+    checker: regex.Pattern[str] | None
+    schema_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """About what this entry holds (read on every insertion into the cache: no walk here). The
+        compiled constraint may also be cached alone; counting it twice keeps the bound safe."""
+        return self.compiled.nbytes + self.schema_bytes
+
+
+#: The one cache of compiled constraints, for every backend and every caller (the server included).
+_CACHE: ByteBoundedLRU[CompiledConstraint | CheckedConstraint] = ByteBoundedLRU(
+    _cache_bytes_from_env(), lambda entry: entry.nbytes)
 
 
 def set_cache_bytes(max_bytes: int) -> None:
@@ -103,27 +139,8 @@ def compile_constraint(
         TimeoutError: compiling took longer than ``timeout_s``.
     """
     backend = resolve_backend(backend)
-    if kind not in ("json", "regex"):
-        raise InvalidOptionError(f"Invalid kind: expected 'json' or 'regex', got {kind!r}.")
-    if not isinstance(whitespace, str):
-        raise InvalidOptionError(f"Invalid whitespace: expected one of {sorted(JSON_LAYOUTS)} or a regex, got {whitespace!r}.")
-    limits = limits or DEFAULT_LIMITS
-    if not isinstance(limits, ConstraintLimits):
-        raise InvalidOptionError(f"Invalid limits: expected a ConstraintLimits, got {type(limits).__name__}.")
-    if kind == "regex":
-        if not isinstance(spec, str) or not spec:
-            raise InvalidRegexError(f"Invalid regex: expected a non-empty string, got {spec!r}.")
-        check_regex_limits(spec, limits)
-        source: Any = spec
-        key_text = spec
-    else:
-        ws = whitespace_regex(whitespace)
-        if ws:
-            check_regex_limits(ws, limits)
-        source = load_schema(spec, limits=limits)  # checks the limits of what it loads
-        key_text = json.dumps(source.schema, sort_keys=True)
-        if isinstance(spec, JsonSchema):  # loaded elsewhere, maybe under other limits
-            check_schema_limits(source.schema, limits, text_bytes=len(key_text))
+    limits = _checked_options(kind, whitespace, limits)
+    source, key_text = _load_source(spec, kind, whitespace, limits)
     vocab = vocabulary_of(tokenizer)
     key = (backend, vocab.fingerprint, kind, key_text, whitespace if kind == "json" else "", lenient)
     hit = _CACHE.get(key)
@@ -137,6 +154,88 @@ def compile_constraint(
             _check_in_time(source, tokenizer, timeout_s=timeout_s, **options)
         compiled = _compile(source, tokenizer, vocab, **options)
     return _CACHE.put(key, compiled)
+
+
+def _checked_options(kind: str, whitespace: Any, limits: Any) -> ConstraintLimits:
+    """Refuse a bad ``kind``, ``whitespace`` or ``limits``; the limits to apply."""
+    if kind not in ("json", "regex"):
+        raise InvalidOptionError(f"Invalid kind: expected 'json' or 'regex', got {kind!r}.")
+    if not isinstance(whitespace, str):
+        raise InvalidOptionError(f"Invalid whitespace: expected one of {sorted(JSON_LAYOUTS)} or a regex, got {whitespace!r}.")
+    limits = limits or DEFAULT_LIMITS
+    if not isinstance(limits, ConstraintLimits):
+        raise InvalidOptionError(f"Invalid limits: expected a ConstraintLimits, got {type(limits).__name__}.")
+    return limits
+
+
+def _load_source(spec: Any, kind: str, whitespace: str, limits: ConstraintLimits) -> tuple[Any, str]:
+    """(what the backend compiles, its text in the cache key): the pattern, or the loaded
+    schema, each checked against ``limits``."""
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise InvalidRegexError(f"Invalid regex: expected a non-empty string, got {spec!r}.")
+        check_regex_limits(spec, limits)
+        return spec, spec
+    ws = whitespace_regex(whitespace)
+    if ws:
+        check_regex_limits(ws, limits)
+    source = load_schema(spec, limits=limits)  # checks the limits of what it loads
+    key_text = json.dumps(source.schema, sort_keys=True)
+    if isinstance(spec, JsonSchema):  # loaded elsewhere, maybe under other limits
+        check_schema_limits(source.schema, limits, text_bytes=len(key_text))
+    return source, key_text
+
+
+def compile_checked(
+    spec: Any,
+    tokenizer: Any,
+    *,
+    kind: Kind = "json",
+    closed: bool = False,
+    check_output: bool = True,
+    backend: Backend = "auto",
+    lenient: bool = False,
+    whitespace: str = DEFAULT_JSON_WHITESPACE,
+    limits: ConstraintLimits | None = None,
+) -> CheckedConstraint:
+    """A request's constraint as a server takes it: compiled, with the check of its output.
+
+    Cached in the one cache under the request's own ``spec`` (a schema as JSON data, or a
+    pattern), so a repeated request neither loads its schema again nor compiles it again.
+
+    Args:
+        closed: objects that leave ``additionalProperties`` out take their declared keys only
+            (``constraint.schema.close_objects``).
+        check_output: False where every text passes (a pattern that matches anything): no checker.
+        The others as in ``compile_constraint``.
+
+    Raises:
+        The errors of ``compile_constraint``.
+    """
+    backend = resolve_backend(backend)
+    vocab = vocabulary_of(tokenizer)
+    key = ("checked", backend, vocab.fingerprint, kind, json.dumps(spec, sort_keys=True), closed, check_output,
+           lenient, whitespace if kind == "json" else "")
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    schema = load_schema(spec, limits=limits) if kind == "json" else None
+    if schema is not None and closed:
+        schema = schema._replace(schema=close_objects(schema.schema))
+    compiled = compile_constraint(schema if schema is not None else spec, tokenizer, kind=kind, backend=backend,
+                                  lenient=lenient, whitespace=whitespace, limits=limits)
+    checker = _output_pattern(spec) if kind == "regex" and check_output else None
+    schema_bytes = 2 * len(json.dumps(schema.schema)) if schema is not None else 0
+    return _CACHE.put(key, CheckedConstraint(compiled, schema, checker, schema_bytes))
+
+
+def _output_pattern(pattern: str) -> regex.Pattern[str] | None:
+    """``pattern`` compiled to check outputs; None for a pattern in the backend's syntax only
+    (the matcher alone enforces it)."""
+    try:
+        return compiled_pattern(pattern)
+    except regex.error:
+        return None
 
 
 def _compile(source: Any, tokenizer: Any, vocab: Any, *, kind: str, backend: str, lenient: bool,

@@ -187,64 +187,66 @@ def regex_cost(pattern: str) -> tuple[int, int]:
     while i < n:
         c = pattern[i]
         frame = stack[-1]
-        if c == "\\":
-            i += 2
-            frame[0] += 1
-            frame[1] = 1
-            continue
-        if c == "[":  # a class is one unit; find its end (a leading ']' or '^]' is a literal)
-            j = i + 1
-            if j < n and pattern[j] == "^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            i = j + 1
-            frame[0] += 1
-            frame[1] = 1
-            continue
         if c == "(":
             stack.append([0, 0])
-            i += 1
-            if pattern.startswith("?", i):  # (?:...), (?P<name>...), (?i), lookarounds: skip the head
-                j = i + 1
-                while j < n and pattern[j] not in ":)" and not (pattern[j] == ">" and pattern[i:i + 2] in ("?P", "?<")):
-                    j += 1
-                i = j + 1 if j < n and pattern[j] in ":>" else j
-            continue
-        if c == ")":
+            i = _group_body_start(pattern, i + 1)
+        elif c == ")":
             if len(stack) > 1:
                 inner = stack.pop()[0]
                 stack[-1][0] += inner
                 stack[-1][1] = inner
             i += 1
-            continue
-        if c == "|":
+        elif c == "|":
             frame[1] = 0
             i += 1
-            continue
-        if c == "{":
-            counted = _count(pattern, i)
-            if counted is not None:
-                count, i = counted
-                largest = max(largest, count)
-                # The operand was counted once already; the rest of its copies come on top.
-                extra = frame[1] * (max(count, 1) - 1) if count else 0
-                if pattern[i - 2] == ",":  # {m,}: m copies and a loop
-                    extra = frame[1] * count
-                frame[0] += extra
-                frame[1] += extra
-                if i < n and pattern[i] in "?+":  # lazy / possessive
-                    i += 1
-                continue
-        if c in "*+?":
+        elif c in "*+?":
             i += 1
-            continue
-        frame[0] += 1
-        frame[1] = 1
-        i += 1
+        elif c == "{" and (counted := _count(pattern, i)) is not None:
+            count, i = counted
+            largest = max(largest, count)
+            _repeat_last_operand(frame, count, open_ended=pattern[i - 2] == ",")
+            if i < n and pattern[i] in "?+":  # lazy / possessive
+                i += 1
+        else:  # one unit: an escape, a class, or a literal (a brace that is no count among them)
+            i = i + 2 if c == "\\" else _class_end(pattern, i) if c == "[" else i + 1
+            frame[0] += 1
+            frame[1] = 1
     while len(stack) > 1:  # an unclosed group: the backend will refuse it; count what is there
         inner = stack.pop()[0]
         stack[-1][0] += inner
     return largest, stack[0][0]
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index after the character class opening at ``i`` (a leading ']' or '^]' is a literal)."""
+    n = len(pattern)
+    j = i + 1
+    if j < n and pattern[j] == "^":
+        j += 1
+    if j < n and pattern[j] == "]":
+        j += 1
+    while j < n and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return j + 1
+
+
+def _group_body_start(pattern: str, i: int) -> int:
+    """Where the body of the group opened just before ``i`` starts: past a head such as ``?:``,
+    ``?P<name>``, ``?i`` or a lookaround's."""
+    if not pattern.startswith("?", i):
+        return i
+    n = len(pattern)
+    j = i + 1
+    while j < n and pattern[j] not in ":)" and not (pattern[j] == ">" and pattern[i:i + 2] in ("?P", "?<")):
+        j += 1
+    return j + 1 if j < n and pattern[j] in ":>" else j
+
+
+def _repeat_last_operand(frame: list[int], count: int, *, open_ended: bool) -> None:
+    """Count the group's last operand ``count`` times (``{m,}``: ``m + 1``, m copies and a loop)."""
+    # The operand was counted once already; the rest of its copies come on top.
+    extra = frame[1] * (max(count, 1) - 1) if count else 0
+    if open_ended:
+        extra = frame[1] * count
+    frame[0] += extra
+    frame[1] += extra

@@ -261,6 +261,12 @@ class GuidanceMatcher(Matcher):
 # Compilation
 # --------------------------------------------------------------------------------------------
 
+# NOTE: llguidance (1.9.1) reports why it refuses a grammar as text only: its
+# ``validate_grammar_with_warnings`` returns ``(is_error, [message])``, with no error type or code.
+# So its messages are read here (``_REFUSALS``) and in ``_schema_refusal``, and nowhere else; what
+# the rest of the module decides on is the structured error built from them (``relaxable`` on
+# ``UnsupportedSchemaFeatureError`` says whether lenient mode relaxes the keyword).
+#: llguidance's refusal messages -> the keyword they name (None: the message's first group).
 _REFUSALS = (
     (re.compile(r"Unimplemented keys: \[\s*\"?([A-Za-z$]+)"), None),
     (re.compile(r"oneOf constraints are not supported"), "oneOf"),
@@ -335,11 +341,12 @@ def _schema_refusal(msg: str, schema: Any, relaxed: bool) -> InvalidSchemaError:
     keyword = _refused_keyword(msg)
     if keyword is not None:
         return UnsupportedSchemaFeatureError(keyword, keyword_path(schema, keyword) or "", f"llguidance ({mode} mode): {first}.",
-                                             lenient=_LENIENT_WOULD if not relaxed else "lenient=True does not relax it either.")
+                                             lenient=_LENIENT_WOULD if not relaxed else "lenient=True does not relax it either.",
+                                             relaxable=not relaxed)
     return InvalidSchemaError(f"Invalid schema: llguidance says {msg}")
 
 
-#: What a strict refusal says when a lenient compile of the same schema succeeds.
+#: What a strict refusal says (``relaxable``) when a lenient compile of the same schema succeeds.
 _LENIENT_WOULD = ("lenient=True would compile it and enforce this keyword only after decoding (an output that breaks "
                   "it is an OutputValidationError).")
 _REMOTE = re.compile(r"is not present in a registry|does not fetch resources")
@@ -403,7 +410,7 @@ def compile_json_guidance(schema: dict, tokenizer: Any, vocab: TokenVocabulary, 
     except UnsupportedSchemaFeatureError as strict_error:
         if lenient:
             return _compile_json(schema, tokenizer, vocab, whitespace, relax=True)
-        if strict_error.args[0].endswith(_LENIENT_WOULD):
+        if strict_error.relaxable:
             try:  # the refusal says lenient=True would compile it: only where that is true
                 _compile_json(schema, tokenizer, vocab, whitespace, relax=True)
             except InvalidSchemaError as lenient_error:

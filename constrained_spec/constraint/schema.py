@@ -42,29 +42,7 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
     limits = limits or DEFAULT_LIMITS
     if isinstance(spec, JsonSchema):
         return spec
-    model_cls = None
-    schema = spec
-    if isinstance(schema, type):
-        from pydantic import BaseModel
-
-        if not issubclass(schema, BaseModel):
-            raise InvalidSchemaError(
-                f"Invalid schema: expected a pydantic model class, a dict, JSON text or a file path, got class {schema.__name__}."
-            )
-        model_cls = schema
-        schema = pydantic_schema(schema)
-    elif isinstance(schema, os.PathLike) or (
-        isinstance(schema, str) and not schema.lstrip().startswith(("{", "[")) and schema.strip()
-    ):
-        path = Path(schema)
-        if not path.is_file():
-            raise InvalidSchemaError(f"Invalid schema: expected JSON text or an existing file, got {str(schema)!r} (no such file).")
-        if path.stat().st_size > limits.max_schema_bytes:
-            raise InvalidSchemaError(f"Invalid schema: {path} has {path.stat().st_size} bytes, over the limit of "
-                                     f"{limits.max_schema_bytes} bytes (max_schema_bytes).")
-        schema = _parse(path.read_text(), f"{path} is not JSON", limits)
-    elif isinstance(schema, str):
-        schema = _parse(schema, "the JSON text does not parse", limits)
+    schema, model_cls = _schema_value(spec, limits)
     if schema is True:  # the schema every value satisfies, as the standard writes it
         schema = {}
     if schema is False:
@@ -92,6 +70,35 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
     if any(isinstance(node.get(k), float) for _, node in iter_subschemas(schema) for k in COUNT_KEYWORDS):
         schema = map_subschemas(schema, _integral_counts)  # copied only where a count needs it
     return JsonSchema(schema, model_cls)
+
+
+def _schema_value(spec: Any, limits: Any) -> tuple[Any, type | None]:
+    """(the schema as a JSON value, the pydantic class it came from or None): a class's schema,
+    a file's or a text's parsed JSON (each within ``limits``), or ``spec`` as it is."""
+    model_cls = None
+    schema = spec
+    if isinstance(schema, type):
+        from pydantic import BaseModel
+
+        if not issubclass(schema, BaseModel):
+            raise InvalidSchemaError(
+                f"Invalid schema: expected a pydantic model class, a dict, JSON text or a file path, got class {schema.__name__}."
+            )
+        model_cls = schema
+        schema = pydantic_schema(schema)
+    elif isinstance(schema, os.PathLike) or (
+        isinstance(schema, str) and not schema.lstrip().startswith(("{", "[")) and schema.strip()
+    ):
+        path = Path(schema)
+        if not path.is_file():
+            raise InvalidSchemaError(f"Invalid schema: expected JSON text or an existing file, got {str(schema)!r} (no such file).")
+        if path.stat().st_size > limits.max_schema_bytes:
+            raise InvalidSchemaError(f"Invalid schema: {path} has {path.stat().st_size} bytes, over the limit of "
+                                     f"{limits.max_schema_bytes} bytes (max_schema_bytes).")
+        schema = _parse(path.read_text(), f"{path} is not JSON", limits)
+    elif isinstance(schema, str):
+        schema = _parse(schema, "the JSON text does not parse", limits)
+    return schema, model_cls
 
 
 #: Keywords whose value is a count. The standard allows any number with a zero fractional part

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..models.invariant import BucketedLinear
 from ..models.q8_output import Q8OutputProjection
+from ..models.quant_linear import QuantLinear
 
 #: States allowing more tokens than this take the full projection: gathering a row of the
 #: matrix costs about what reading it costs, so past a few thousand rows the subset stops paying
@@ -43,7 +44,7 @@ def supports_subsets(target: Any) -> bool:
     config = getattr(target, "config", None)
     out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
     layers = [out, getattr(out, "linear", None)] if isinstance(out, BucketedLinear) else [out]
-    plain = all(isinstance(m, nn.Linear) or type(m) in (BucketedLinear, Q8OutputProjection) for m in layers)
+    plain = all(isinstance(m, nn.Linear) or type(m) in (BucketedLinear, Q8OutputProjection, QuantLinear) for m in layers)
     hooked = any(m._forward_hooks or m._forward_pre_hooks for m in layers if isinstance(m, nn.Module))
     on_gpu = out is not None and any(p.device.type == "cuda" for p in out.parameters())
     return (out is not None and plain and not hooked and not on_gpu and hasattr(target, "base_model")
@@ -84,9 +85,13 @@ def project_rows(target: Any, hidden: torch.Tensor, subsets: Sequence[torch.Tens
     the model's own output layer, all such rows in one call, as the model's forward does)."""
     out = target.get_output_embeddings()
     linear = out.linear if isinstance(out, BucketedLinear) else out  # the wrapper has no bias of its own
-    weight = linear.weight
-    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    logits = torch.zeros(len(subsets), weight.shape[0], dtype=dtype)
+    if isinstance(linear, QuantLinear):  # packed: its rows are gathered, exactly as the file stores them
+        rows_of, dtype, device, vocab = linear.gather_rows, torch.float32, hidden.device, linear.out_features
+    else:
+        weight = linear.weight
+        rows_of, device, vocab = (lambda ids: weight.index_select(0, ids)), weight.device, weight.shape[0]
+        dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    logits = torch.zeros(len(subsets), vocab, dtype=dtype)
     full = [i for i, s in enumerate(subsets) if s is None]
     if full:
         logits[full] = out(hidden[full][None])[0].to(dtype).cpu()
@@ -94,8 +99,9 @@ def project_rows(target: Any, hidden: torch.Tensor, subsets: Sequence[torch.Tens
     for i, ids in enumerate(subsets):
         if ids is None:
             continue
-        ids_dev = ids.to(weight.device)
-        row = torch.mv(weight.index_select(0, ids_dev), hidden[i].to(weight.dtype))
+        ids_dev = ids.to(device)
+        rows = rows_of(ids_dev)
+        row = torch.mv(rows, hidden[i].to(rows.dtype))
         if bias is not None:
             row = row + bias.index_select(0, ids_dev)
         logits[i, ids] = row.to(dtype).cpu()

@@ -26,7 +26,6 @@ weights widened once per forward (docs/performance.md has the figures).
 from __future__ import annotations
 
 import functools
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 from torch import nn
 
 from . import q4_vnni
+from .shared_input import SharedInputCall
 from .threads import at_dense_threads
 
 GROUP = 32
@@ -187,7 +187,7 @@ class Int4Linear(nn.Module):
 PACK_BLOCK_N = 64
 
 
-class FusedInt4:
+class FusedInt4(SharedInputCall):
     """Several ``Int4Linear`` layers that read the same input, run as one kernel call (weights
     concatenated along the output rows): q/k/v and gate/up of a llama layer. Each layer is
     replaced by an ``Int4Part``; the first part called with an input computes every part's
@@ -203,29 +203,18 @@ class FusedInt4:
         if all(m.vnni_packed is not None for m in layers):  # whole 32-column blocks: they concatenate too
             vnni = (torch.cat([m.vnni_packed for m in layers]), torch.cat([m.vnni_scales for m in layers]))
         torch_layout = all(m.packed is not None for m in layers)
-        self.layer = Int4Linear(torch.cat([m.packed for m in layers]) if torch_layout else None,
-                                torch.cat([m.scales_and_zeros for m in layers], dim=1) if torch_layout else None,
-                                in_features=layers[0].in_features, out_features=sum(m.out_features for m in layers),
-                                prompt_weight=torch.cat(dense) if all(w is not None for w in dense) else None, vnni=vnni,
-                                vnni_split=layers[0].vnni_split)
-        self.sizes = [m.out_features for m in layers]
-        self._local = threading.local()  # forwards in two threads must not read each other's outputs
+        layer = Int4Linear(torch.cat([m.packed for m in layers]) if torch_layout else None,
+                           torch.cat([m.scales_and_zeros for m in layers], dim=1) if torch_layout else None,
+                           in_features=layers[0].in_features, out_features=sum(m.out_features for m in layers),
+                           prompt_weight=torch.cat(dense) if all(w is not None for w in dense) else None, vnni=vnni,
+                           vnni_split=layers[0].vnni_split)
+        super().__init__(layer, [m.out_features for m in layers])
 
     @staticmethod
     def can_fuse(layers: list[Int4Linear]) -> bool:
         """Whether the layers' packed weights concatenate into a valid packing (same input width,
         each a multiple of ``PACK_BLOCK_N`` output rows)."""
         return len({m.in_features for m in layers}) == 1 and all(m.out_features % PACK_BLOCK_N == 0 for m in layers)
-
-    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """Output ``index`` for input ``x`` (computed once per input; an in-place change of
-        ``x`` counts as a new input)."""
-        held = getattr(self._local, "held", None)
-        if held is None or held[0] is not x or held[1] != x._version:
-            held = self._local.held = (x, x._version, self.layer(x).split(self.sizes, dim=-1))
-        if index == len(self.sizes) - 1:
-            self._local.held = None  # the last part read: hold nothing between forwards
-        return held[2][index]
 
 
 class Int4Part(nn.Module):

@@ -183,14 +183,27 @@ def float64_variance(x: torch.Tensor) -> torch.Tensor:
     return (x.double().square().sum(-1, keepdim=True) / x.shape[-1]).to(torch.float32)
 
 
+def _variance(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """The norm's mean of squares of float32 ``x``: batch-invariant (``float64_variance``) for every
+    row, but prompt rows (``self.rows``, where set) take the stock float32 mean, a tenth of a long
+    prompt pass cheaper. A norm over each head's slice (q/k norms) has no row split: its input's
+    rows are not the forward's rows."""
+    if self.rows is None:
+        return float64_variance(x)
+    return self.rows.apply(x, lambda p: p.pow(2).mean(-1, keepdim=True), float64_variance)
+
+
 def invariant_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``LlamaRMSNorm.forward`` with the mean of squares taken in float64 (see the module docstring);
-    prompt rows (``self.rows``) take the stock float32 mean, a tenth of a long prompt pass cheaper."""
+    """``LlamaRMSNorm.forward`` (llama, qwen2, qwen3) with ``_variance``'s mean of squares."""
     input_dtype = hidden_states.dtype
     x = hidden_states.to(torch.float32)
-    variance = self.rows.apply(x, lambda p: p.pow(2).mean(-1, keepdim=True), float64_variance)
-    x = x * torch.rsqrt(variance + self.variance_epsilon)
+    x = x * torch.rsqrt(_variance(self, x) + self.variance_epsilon)
     return self.weight * x.to(input_dtype)
+
+
+def invariant_offset_rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's ``_norm`` (its forward then scales by ``1 + weight``) with ``_variance``'s mean of squares."""
+    return x * torch.rsqrt(_variance(self, x) + self.eps)
 
 
 def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -449,12 +462,19 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
     if bucket_linears is None:
         bucket_linears = not on_cpu
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
     for name, module in list(model.named_modules()):
         if type(module).__name__ == "Int4Linear":  # prompt rows on its dense path (models.int4)
             module.rows = rows
         elif type(module).__name__.endswith("RMSNorm"):
-            module.rows = rows
-            module.forward = types.MethodType(invariant_rms_norm, module)
+            per_head = module.weight.shape[-1] != hidden_size
+            module.rows = None if per_head else rows
+            if hasattr(module, "variance_epsilon"):  # llama's form: weight * normed x
+                module.forward = types.MethodType(invariant_rms_norm, module)
+            elif callable(getattr(module, "_norm", None)) and hasattr(module, "eps"):  # Gemma's: normed x * (1 + weight)
+                module._norm = types.MethodType(invariant_offset_rms_norm, module)
+            else:
+                raise TypeError(f"{type(module).__name__} is an RMSNorm of a form make_batch_invariant does not know")
         elif type(module) is nn.Linear and (bucket_linears or (on_cpu and module is output)):
             parent_name, _, child = name.rpartition(".")
             bucketed = (BucketedLinear(module, rows, bucket=OUTPUT_BUCKET, transposed=True) if on_cpu and module is output

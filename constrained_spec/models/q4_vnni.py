@@ -8,7 +8,8 @@ bits of a row) by the number of rows. No library has an int4 kernel that is both
 
 This one multiplies the stored nibbles (0..15) with int8 activations exactly in int32
 (``vpdpbusd``) and adds each block's ``d * dx * sum(q * qx) + m * sum(x)`` in float32 with the
-stored fp16 ``d`` and ``m`` (exact in float32, where torch's kernel takes bfloat16 scales). The
+stored ``d`` and ``m`` as float32 (a Q4_1 file's fp16 widened exactly, Q4_0's m = -8 d, Q4_K's d * sc
+and -dmin * m as computed; torch's kernel takes bfloat16 scales). The
 activations of each block of 32 are, by ``RuntimeConfig.int4_kernel``
 (``CONSTRAINED_SPEC_INT4_KERNEL``):
 - ``vnni`` (the default): split into two int8 parts, x = dx (a + b / 254) with dx = max|x| / 127,
@@ -39,7 +40,7 @@ from . import cpu_kernels
 COLS = 16
 GROUP = 32
 #: Version of ``pack``'s layout, in the name of the cached weights (a change must not load old ones).
-LAYOUT = 2
+LAYOUT = 3  # 3: float32 scales (2: float16)
 _CPU_FLAGS = cpu_kernels.AVX512 + ("avx512_vnni",)
 
 
@@ -71,22 +72,49 @@ def kernel(asked: str | None = None) -> str:
 
 
 def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout of ``unpack_q4_1``'s ``q`` ``[N, K]`` (0..15), ``d`` and ``m``
-    ``[N, K/32]`` (float16): ``packed`` uint8 ``[N/32, K/32, 512]``, for each 32 columns and
-    group, two blocks of 16 columns whose four 64-byte loads hold weights k = 4t..4t+3 (low
-    nibbles) and 16+4t..16+4t+3 (high), column-major in fours (``vpdpbusd``'s operand layout);
-    ``scales`` float16 ``[N/32, K/32, 2, 2, 16]``: each block's d, then m, as stored."""
+    """The kernel's layout of four-bit weights w = d q + m: ``q`` ``[N, K]`` (0..15), ``d`` and
+    ``m`` ``[N, K/32]`` (float32, or float16 widened exactly: ``unpack_q4_1``'s): ``packed`` uint8
+    ``[N/32, K/32, 512]``, for each 32 columns and group, two blocks of 16 columns whose four
+    64-byte loads hold weights k = 4t..4t+3 (low nibbles) and 16+4t..16+4t+3 (high), column-major
+    in fours (``vpdpbusd``'s operand layout); ``scales`` float32 ``[N/32, K/32, 2, 2, 16]``: each
+    block's d, then m (float32 because Q4_K's sub-block scales d * sc are not float16 values)."""
+    q, d, m = np.asarray(q), np.asarray(d), np.asarray(m)
     n, k = q.shape
     if n % (2 * COLS) or k % GROUP:
-        raise ValueError(f"Cannot pack a {n} x {k} Q4_1 matrix for the VNNI kernel: rows must be a multiple of "
+        raise ValueError(f"Cannot pack a {n} x {k} four-bit matrix for the VNNI kernel: rows must be a multiple of "
                          f"{2 * COLS} and columns of {GROUP}.")
+    if d.shape != (n, k // GROUP) or m.shape != (n, k // GROUP):
+        raise ValueError(f"Scales {d.shape} and mins {m.shape} do not fit a {n} x {k} matrix: expected {(n, k // GROUP)}.")
     g = k // GROUP
     blocks = q.astype(np.uint8).reshape(n // (2 * COLS), 2, COLS, g, 2, 4, 4)  # pair, c, column, group, half, t, e
     nibbles = blocks[:, :, :, :, 0] | (blocks[:, :, :, :, 1] << 4)  # pair, c, column, group, t, e
     packed = nibbles.transpose(0, 3, 1, 4, 2, 5).reshape(n // (2 * COLS), g, 2 * 4 * COLS * 4)
-    per_block = [a.astype(np.float16).reshape(n // (2 * COLS), 2, COLS, g).transpose(0, 3, 1, 2) for a in (d, m)]
+    per_block = [_float32(a, "scales").reshape(n // (2 * COLS), 2, COLS, g).transpose(0, 3, 1, 2) for a in (d, m)]
     scales = np.stack(per_block, axis=3)  # pair, group, c, d/m, column
     return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales))
+
+
+def _float32(a: np.ndarray, what: str) -> np.ndarray:
+    """``a`` as float32, refusing a wider type whose values float32 would round (the kernels
+    promise the stored scales exactly)."""
+    wide = a.astype(np.float32)
+    if a.dtype not in (np.float16, np.float32) and not np.array_equal(wide.astype(a.dtype), a):
+        raise ValueError(f"The {what} are not float32 values ({a.dtype}): the kernels would round them.")
+    return wide
+
+
+def gather_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[n]``) of ``pack``'s weights, dequantized: float32 ``[n, K]``, each
+    weight exactly ``d * q + m`` rounded as float32 does (the product rounded, then the sum):
+    torch ops on the packed bytes, no dense copy of the matrix."""
+    pairs, g = packed.shape[0], packed.shape[1]
+    ids = ids.reshape(-1).to(torch.int64)
+    pair, c, col = ids // (2 * COLS), (ids // COLS) % 2, ids % COLS
+    # [pair, group, c, t, column, e] -> [n, group, t, e] for each id's column.
+    nibbles = packed.view(pairs, g, 2, 4, COLS, 4)[pair, :, c, :, col, :]
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=2).reshape(len(ids), g, GROUP).to(torch.float32)
+    dm = scales.view(pairs, g, 2, 2, COLS)[pair, :, c, :, col]  # [n, group, d/m]
+    return (q * dm[..., 0:1] + dm[..., 1:2]).reshape(len(ids), g * GROUP)
 
 
 def q4_1_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, split: bool = True) -> torch.Tensor:

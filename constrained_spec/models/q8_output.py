@@ -9,7 +9,9 @@ dequantized float32 matrix it was the largest single op of a one-token step.
 there, ``models.cpu_kernels``): each row's block of 32 activations is split into two int8 parts,
 x = dx (a + b / 254) with dx = max|x| / 127 (about 15 bits, where bfloat16 keeps 8), ``vpdpbusd``
 multiplies both with the stored weights exactly in int32, and the block adds ``d dx / 254 (254
-sum(q a) + sum(q b))`` in float32 with the file's fp16 d. No rounding of the logits, so its
+sum(q a) + sum(q b))`` in float32 with the file's fp16 d (stored widened to float32). The same kernel
+(``q8_mm``, ``pack_vnni``) runs every eight-bit form: a scale per block of 32 or per half-block of
+16, with or without a min per block (``models.quant_linear``). No rounding of the logits, so its
 argmax is the exact one's where the int4 pair's can flip, and it is faster than the pair at
 every row count (see docs/performance.md). Every row runs the same instructions in the same
 order whatever rows are beside it: batch-invariant (tested). ``RuntimeConfig.output_kernel``
@@ -43,8 +45,13 @@ Q8_0_BLOCK_BYTES = 34
 #: Output columns of one block of the VNNI layout (one AVX-512 register of float32).
 COLS = 16
 #: Version of ``pack_vnni``'s layout, in the name of the cached weights (a change must not load old ones).
-LAYOUT = 1
+LAYOUT = 2  # 2: float32 scales (1: float16)
 _CPU_FLAGS = cpu_kernels.AVX512 + ("avx512_vnni",)
+
+# The general op's schema, defined at import whether or not the kernel builds (as
+# ``models.cpu_kernels`` defines the others): the kernel library implements it when loaded.
+_LIBRARY = torch.library.Library("constrained_spec", "FRAGMENT")
+_LIBRARY.define("q8_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor")
 
 
 def kernel(asked: str | None = None) -> str:
@@ -59,19 +66,67 @@ def kernel(asked: str | None = None) -> str:
     return "vnni" if built else "torch"
 
 
-def pack_vnni(q: np.ndarray, d: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VNNI kernel's layout of ``unpack_q8_0``'s ``q`` ``[N, K]`` and ``d`` ``[N, K/32]``:
-    ``packed`` uint8 ``[N/16, K/32, 512]``, q + 128 for each 16 columns and group as eight 64-byte
-    loads of weights k = 4t..4t+3, column-major in fours (``vpdpbusd``'s operand layout);
-    ``scales`` float16 ``[N/16, K/32, 16]``, as stored."""
+def pack_vnni(q: np.ndarray, scale: np.ndarray, min: np.ndarray | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The VNNI kernel's layout of eight-bit weights w = scale q (+ min): ``q`` ``[N, K]`` int8
+    (any of -128..127), ``scale`` ``[N, K/32]`` (one per block of 32: Q8_0, Q5_*) or
+    ``[N, K/16]`` (one per half-block: Q6_K), ``min`` ``[N, K/32]`` or None; scales and mins
+    float32 (float16 widened exactly). Returns ``q8_mm``'s operands: ``packed`` uint8
+    ``[N/16, K/32, 512]``, q + 128 for each 16 columns and group as eight 64-byte loads of weights
+    k = 4t..4t+3, column-major in fours (``vpdpbusd``'s operand layout); ``scales`` float32
+    ``[N/16, K/32, 16]`` or ``[N/16, K/32, 2, 16]`` (per half); ``mins`` float32
+    ``[N/16, K/32, 16]``, or empty without mins."""
+    from .q4_vnni import _float32
+
+    q, scale = np.asarray(q), np.asarray(scale)
     n, k = q.shape
     if n % COLS or k % GROUP:
-        raise ValueError(f"Cannot pack a {n} x {k} Q8_0 matrix for the VNNI kernel: rows must be a multiple of "
+        raise ValueError(f"Cannot pack a {n} x {k} eight-bit matrix for the VNNI kernel: rows must be a multiple of "
                          f"{COLS} and columns of {GROUP}.")
-    u = (q.astype(np.int16) + 128).astype(np.uint8).reshape(n // COLS, COLS, k // GROUP, 8, 4)
-    packed = u.transpose(0, 2, 3, 1, 4).reshape(n // COLS, k // GROUP, 8 * COLS * 4)
-    scales = d.astype(np.float16).reshape(n // COLS, COLS, k // GROUP).transpose(0, 2, 1)
-    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales))
+    if q.dtype != np.int8 and (q.min(initial=0) < -128 or q.max(initial=0) > 127):
+        raise ValueError("Eight-bit weights must lie in -128..127.")
+    g = k // GROUP
+    if scale.shape not in ((n, g), (n, 2 * g)):
+        raise ValueError(f"Scales {scale.shape} do not fit a {n} x {k} matrix: expected {(n, g)} or {(n, 2 * g)}.")
+    u = (q.astype(np.int16) + 128).astype(np.uint8).reshape(n // COLS, COLS, g, 8, 4)
+    packed = u.transpose(0, 2, 3, 1, 4).reshape(n // COLS, g, 8 * COLS * 4)
+    halves = scale.shape[1] // g  # 1 or 2 scales a block
+    scales = _float32(scale, "scales").reshape(n // COLS, COLS, g, halves).transpose(0, 2, 3, 1)
+    scales = scales[:, :, 0] if halves == 1 else scales
+    if min is None:
+        mins = torch.empty(0, dtype=torch.float32)
+    else:
+        min = np.asarray(min)
+        if min.shape != (n, g):
+            raise ValueError(f"Mins {min.shape} do not fit a {n} x {k} matrix: expected {(n, g)}.")
+        mins = torch.from_numpy(np.ascontiguousarray(_float32(min, "mins").reshape(n // COLS, COLS, g).transpose(0, 2, 1)))
+    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(scales)), mins
+
+
+def q8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` (any float dtype) times ``pack_vnni``'s weights: float32 ``[M, N]``, the
+    activations split into two int8 parts a block (module docstring)."""
+    return torch.ops.constrained_spec.q8_mm(x.to(torch.float32).contiguous(), packed, scales, mins)
+
+
+def gather_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[n]``) of ``pack_vnni``'s weights, dequantized: float32 ``[n, K]``,
+    each weight exactly ``scale * q (+ min)`` rounded as float32 does (the product rounded, then
+    the sum): torch ops on the packed bytes, no dense copy of the matrix (a tied embedding)."""
+    blocks, g = packed.shape[0], packed.shape[1]
+    ids = ids.reshape(-1).to(torch.int64)
+    block, col = ids // COLS, ids % COLS
+    # [block, group, t, column, e] -> [n, group, t, e] for each id's column: k = 4 t + e.
+    u = packed.view(blocks, g, 8, COLS, 4)[block, :, :, col, :]
+    q = u.to(torch.float32) - 128  # integers: exact
+    if scales.dim() == 4:  # a scale per half-block of 16
+        w = q.reshape(len(ids), g, 2, 16) * scales[block, :, :, col][..., None]
+    else:
+        w = q.reshape(len(ids), g, GROUP) * scales[block, :, col][..., None]
+    w = w.reshape(len(ids), g, GROUP)
+    if mins.numel():
+        w = w + mins[block, :, col][..., None]
+    return w.reshape(len(ids), g * GROUP)
 
 
 def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +176,7 @@ class Q8OutputProjection(nn.Module):
         if not torch.equal(exact, weight.float()):
             raise ValueError("The Q8_0 tensor does not dequantize to the model's output matrix.")
         if kernel == "vnni":
-            packed, scales = pack_vnni(q, d)
+            packed, scales, _ = pack_vnni(q, d)
             return Q8OutputProjection({"vnni_packed": packed, "vnni_scales": scales}, weight, kernel)
         u = q_t + 128  # 1..255
         hi, lo = u >> 4, u & 15

@@ -151,23 +151,13 @@ def extract(
     """
     opts = SpecOptions.build(options, **option_values)
     loaded = load_schema(schema)  # bad schemas fail here, before any document
-    if "{text}" not in prompt_template:
-        raise InvalidOptionError("Invalid prompt_template: it must contain '{text}' where the document goes.")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise InvalidOptionError(f"Invalid batch_size: expected an integer >= 1, got {batch_size!r}.")
-    fields = describe_fields(loaded.schema)
-    schema_text = json.dumps(loaded.schema)
-    prompts = ((doc_id, prompt_template.format(text=text, fields=fields, schema=schema_text))
-               for doc_id, text in iter_documents(documents))
+    _check_template_and_batch(prompt_template, batch_size)
+    prompts, shared = _prompts(loaded, documents, prompt_template)
     if server is not None:
         yield from _extract_remote(loaded, prompts, server, api_key, batch_size, opts)
         return
     handle = resolve_model(model)
     draft_source = resolve_draft(draft, handle, opts)
-    # The template's text before the document is every prompt's shared prefix: computed once,
-    # then reused from the prefix cache (decoding.prefix).
-    seam = "\x00document\x00"
-    shared = prompt_template.format(text=seam, fields=fields, schema=schema_text).split(seam)[0] or None
     if engine is not None and engine.target is not handle.model:
         raise InvalidOptionError("Invalid engine: it runs another model than the one given.")
     if batch_size > 1 or engine is not None:
@@ -175,9 +165,37 @@ def extract(
                                     engine or BatchEngine(handle.model, max_batch=batch_size, precision=handle.precision,
                                                           profile=opts.profile, prefix_cache=opts.prefix_cache))
         return
+    yield from _extract_one_by_one(loaded, prompts, handle, draft_source, opts, shared)
+
+
+def _check_template_and_batch(prompt_template: str, batch_size: Any) -> None:
+    """Refuse a template without ``{text}`` and a batch size that is not a positive integer."""
+    if "{text}" not in prompt_template:
+        raise InvalidOptionError("Invalid prompt_template: it must contain '{text}' where the document goes.")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InvalidOptionError(f"Invalid batch_size: expected an integer >= 1, got {batch_size!r}.")
+
+
+def _prompts(loaded: JsonSchema, documents: Iterable[Any],
+             prompt_template: str) -> tuple[Iterator[tuple[str, str]], str | None]:
+    """(each document's id and prompt, read lazily; every prompt's shared prefix, or None)."""
+    fields = describe_fields(loaded.schema)
+    schema_text = json.dumps(loaded.schema)
+    prompts = ((doc_id, prompt_template.format(text=text, fields=fields, schema=schema_text))
+               for doc_id, text in iter_documents(documents))
+    # The template's text before the document is every prompt's shared prefix: computed once,
+    # then reused from the prefix cache (decoding.prefix).
+    seam = "\x00document\x00"
+    shared = prompt_template.format(text=seam, fields=fields, schema=schema_text).split(seam)[0] or None
+    return prompts, shared
+
+
+def _extract_one_by_one(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, draft: Any,
+                        opts: SpecOptions, shared: str | None) -> Iterator[ExtractionResult]:
+    """Every document alone through ``generate_json``; a document that fails yields its error."""
     for doc_id, prompt in prompts:
         try:
-            value, stats = generate_json(handle, loaded, prompt, draft=draft_source or False, options=opts, return_stats=True,
+            value, stats = generate_json(handle, loaded, prompt, draft=draft or False, options=opts, return_stats=True,
                                          shared_prefix=shared)
         except InvalidSchemaError:
             raise

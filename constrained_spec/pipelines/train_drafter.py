@@ -163,75 +163,89 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
     outputs: its rows equal single requests; sampled ones are draws of the same law). Outputs
     of fewer than two tokens are dropped. ``features=False`` records no features (the outputs'
     ``features`` and ``final`` are then empty): for a corpus, which needs only the tokens."""
-    from ..drafters.hybrid import HybridDrafter
-
-    taps, final = _tap_layers(target)
     runs = [(i, temp, run_seed) for i in range(len(items))
             for temp, run_seed in [(0.0, None)] + [(temperature, seed * 1000 + i * 10 + j) for j in range(sampled)]]
-
-    recent = RecentEstimates()  # the K policies of this run's requests learn from each other
-
-    def start(i: int, run_seed: int | None) -> tuple[Matcher, FeatureRecorder, Drafter, Any]:
-        matcher = items[i][1].matcher()
-        recorder = FeatureRecorder(matcher, (*taps, final))
-        other = drafter_for(i, matcher) if drafter_for is not None else None
-        if not features:
-            policy = AdaptiveK(12, deterministic=run_seed is not None, recent=recent) if other is not None else FixedK(0)
-            return matcher, recorder, other, policy
-        drafter = HybridDrafter([other, recorder]) if other is not None else recorder
-        # Speculation only changes the speed: a seeded sampled run keeps its K choices
-        # independent of timings, so the same seed gives the same output.
-        k_policy = AdaptiveK(12, deterministic=run_seed is not None, recent=recent) if other is not None else FixedK(0)
-        return matcher, recorder, drafter, k_policy
-
-    out: list[DecodedOutput] = []
-    d = target.config.hidden_size
-
-    def keep(i: int, tokens: list[int], recorder: FeatureRecorder) -> None:
-        prompt = items[i][0]
-        T = len(prompt) + len(tokens)
-        if not features:
-            if len(tokens) >= 2:
-                out.append(DecodedOutput(i, prompt, list(tokens), items[i][1], torch.empty(0), torch.empty(0)))
-            return
-        feats = recorder.features(T - 1) if len(tokens) >= 2 else None
-        if feats is not None:
-            out.append(DecodedOutput(i, prompt, list(tokens), items[i][1], feats[:, : len(taps) * d].clone(),
-                                     feats[len(prompt) - 1 :, len(taps) * d :].clone()))
+    stage = _DecodeStage(target, items, drafter_for, features)
 
     def report(done: int) -> None:
         if progress:
             progress(TrainProgress("decode", done, len(runs)))
 
     if batch > 1:
-        from ..batching.engine import BatchEngine
-
-        engine = BatchEngine(target, max_batch=batch, prefix_cache=False)
-        submitted = {}  # request id -> (its run's index, its recorder)
-        for n, (i, temp, run_seed) in enumerate(runs):
-            matcher, recorder, drafter, k_policy = start(i, run_seed)
-            req = engine.submit(items[i][0], matcher, drafter=drafter, k_policy=k_policy, temperature=temp,
-                                seed=run_seed, max_new_tokens=max_new_tokens)
-            submitted[req.id] = (n, recorder)
-        finished: list[tuple[int, list[int], FeatureRecorder]] = []
-        for req in engine.run():
-            if req.error is not None:
-                raise req.error
-            n, recorder = submitted[req.id]
-            finished.append((n, req.result.tokens, recorder))
-            report(len(finished))
-        for n, tokens, recorder in sorted(finished, key=lambda f: f[0]):  # the runs' order, not the finishing one
-            keep(runs[n][0], tokens, recorder)
-        return out
+        _decode_batched(target, stage, runs, batch=batch, max_new_tokens=max_new_tokens, report=report)
+        return stage.outputs
     for n, (i, temp, run_seed) in enumerate(runs):
-        matcher, recorder, drafter, k_policy = start(i, run_seed)
+        matcher, recorder, drafter, k_policy = stage.start(i, run_seed)
         dec = SpeculativeDecoder(target, matcher, items[i][0], drafter=drafter, k_policy=k_policy, temperature=temp,
                                  seed=run_seed, max_new_tokens=max_new_tokens)
         for _ in dec.run():
             pass
-        keep(i, dec.output, recorder)
+        stage.keep(i, dec.output, recorder)
         report(n + 1)
-    return out
+    return stage.outputs
+
+
+class _DecodeStage:
+    """Stage 1's runs: what each one decodes with (its matcher, feature recorder, drafter and K
+    policy) and the outputs kept."""
+
+    def __init__(self, target: Any, items: Sequence[tuple[list[int], CompiledConstraint]],
+                 drafter_for: Callable[[int, Matcher], Drafter | None] | None, features: bool) -> None:
+        self.items, self.drafter_for, self.features = items, drafter_for, features
+        self.taps, self.final = _tap_layers(target)
+        self.hidden_size = target.config.hidden_size
+        self.recent = RecentEstimates()  # the K policies of this run's requests learn from each other
+        self.outputs: list[DecodedOutput] = []
+
+    def start(self, i: int, run_seed: int | None) -> tuple[Matcher, FeatureRecorder, Drafter, Any]:
+        """(matcher, recorder, drafter, K policy) of a run of item ``i``."""
+        from ..drafters.hybrid import HybridDrafter
+
+        matcher = self.items[i][1].matcher()
+        recorder = FeatureRecorder(matcher, (*self.taps, self.final))
+        other = self.drafter_for(i, matcher) if self.drafter_for is not None else None
+        # Speculation only changes the speed: a seeded sampled run keeps its K choices
+        # independent of timings, so the same seed gives the same output.
+        k_policy = AdaptiveK(12, deterministic=run_seed is not None, recent=self.recent) if other is not None else FixedK(0)
+        if not self.features:
+            return matcher, recorder, other, k_policy
+        return matcher, recorder, HybridDrafter([other, recorder]) if other is not None else recorder, k_policy
+
+    def keep(self, i: int, tokens: list[int], recorder: FeatureRecorder) -> None:
+        """Keep a run's output (with its features, unless none are recorded) if it has two tokens or more."""
+        prompt, constraint = self.items[i]
+        if not self.features:
+            if len(tokens) >= 2:
+                self.outputs.append(DecodedOutput(i, prompt, list(tokens), constraint, torch.empty(0), torch.empty(0)))
+            return
+        feats = recorder.features(len(prompt) + len(tokens) - 1) if len(tokens) >= 2 else None
+        if feats is not None:
+            width = len(self.taps) * self.hidden_size
+            self.outputs.append(DecodedOutput(i, prompt, list(tokens), constraint, feats[:, :width].clone(),
+                                              feats[len(prompt) - 1:, width:].clone()))
+
+
+def _decode_batched(target: Any, stage: _DecodeStage, runs: list[tuple[int, float, int | None]], *, batch: int,
+                    max_new_tokens: int, report: Callable[[int], None]) -> None:
+    """Every run in the batch engine, ``batch`` at once; outputs kept in the runs' order."""
+    from ..batching.engine import BatchEngine
+
+    engine = BatchEngine(target, max_batch=batch, prefix_cache=False)
+    submitted = {}  # request id -> (its run's index, its recorder)
+    for n, (i, temp, run_seed) in enumerate(runs):
+        matcher, recorder, drafter, k_policy = stage.start(i, run_seed)
+        req = engine.submit(stage.items[i][0], matcher, drafter=drafter, k_policy=k_policy, temperature=temp,
+                            seed=run_seed, max_new_tokens=max_new_tokens)
+        submitted[req.id] = (n, recorder)
+    finished: list[tuple[int, list[int], FeatureRecorder]] = []
+    for req in engine.run():
+        if req.error is not None:
+            raise req.error
+        n, recorder = submitted[req.id]
+        finished.append((n, req.result.tokens, recorder))
+        report(len(finished))
+    for n, tokens, recorder in sorted(finished, key=lambda f: f[0]):  # the runs' order, not the finishing one
+        stage.keep(runs[n][0], tokens, recorder)
 
 
 def save_corpus(outputs: Sequence[DecodedOutput], vocab: Any, out: str | Path) -> OutputCorpus:
@@ -401,16 +415,7 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
     whichever comes first (one of them is required). With ``resume``, a checkpoint in
     ``out_dir`` from the same items and options is taken up where it stopped (the decoded
     outputs too)."""
-    if steps is None and minutes is None:
-        raise InvalidOptionError("Invalid training budget: give steps or minutes.")
-    if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
-        raise InvalidOptionError(f"Invalid training budget: steps={steps!r}, minutes={minutes!r}; expected positive values.")
-    if not items:
-        raise InvalidOptionError("Invalid training data: expected at least one item.")
-    if draft_vocab < 1:
-        raise InvalidOptionError(f"Invalid draft_vocab: expected a positive size, got {draft_vocab!r}.")
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise InvalidOptionError(f"Invalid batch: expected an integer >= 1, got {batch!r}.")
+    _check_training_options(items, steps, minutes, draft_vocab, batch)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -418,17 +423,12 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
     fingerprint = _fingerprint(items, dict(draft_vocab=draft_vocab, sampled=sampled, max_new_tokens=max_new_tokens,
                                            seed=seed, unroll=unroll, held_out=held_out))
     t0 = time.perf_counter()
-    outputs_path = out / OUTPUTS_FILE
-    outputs: list[DecodedOutput] | None = None
-    if resume and outputs_path.is_file():
-        saved = torch.load(outputs_path, weights_only=False)
-        if saved.get("fingerprint") == fingerprint:
-            outputs = [DecodedOutput(i, items[i][0], toks, items[i][1], f, h) for i, toks, f, h in saved["outputs"]]
+    outputs = _saved_outputs(out, fingerprint, items) if resume else None
     if outputs is None:
         outputs = decode_outputs(target, items, sampled=sampled, max_new_tokens=max_new_tokens, seed=seed,
                                  batch=batch, drafter_for=drafter_for, progress=progress)
         torch.save({"fingerprint": fingerprint,
-                    "outputs": [(o.item, o.tokens, o.features, o.final) for o in outputs]}, outputs_path)
+                    "outputs": [(o.item, o.tokens, o.features, o.final) for o in outputs]}, out / OUTPUTS_FILE)
     decode_seconds = time.perf_counter() - t0
     save_corpus(outputs, vocab, out)
     vd = draft_vocabulary(outputs, draft_vocab, vocab.eos_token_id, always)
@@ -439,59 +439,130 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
     config = HeadConfig.for_target(target, vocab.fingerprint, vd, name=name)
     head = DraftHead(config, target.get_input_embeddings()).float().train()
     _init_lm_head(head, target)
-    rng = random.Random(seed)
-    order = list(range(len(seqs)))
-    rng.shuffle(order)
-    n_held = max(1, int(len(seqs) * held_out)) if len(seqs) > 1 and held_out > 0 else 0
-    held, train = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]] or [seqs[order[0]]]
+    held, train = _split_held_out(seqs, held_out, seed)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
-    best, losses, step = -1.0, [], 0
-    hard: float | None = None
-    ckpt_path = out / CHECKPOINT_FILE
-    if resume and ckpt_path.is_file():
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        if ckpt.get("fingerprint") == fingerprint:
-            head.load_state_dict(ckpt["head"])
-            opt.load_state_dict(ckpt["optimizer"])
-            step, best, losses, hard = ckpt["step"], ckpt["best"], ckpt["losses"], ckpt.get("hard")
-    eval_every = eval_every or max(1, min(len(train), 200))
-    deadline = time.perf_counter() + 60 * minutes if minutes is not None else math.inf
-    t_train = time.perf_counter()
-    while (steps is None or step < steps) and time.perf_counter() < deadline:
-        seq = train[step % len(train)]
-        loss, hits, _ = _losses(head, seq, unroll)
-        n = int(hits.numel())
-        if n:
-            done = step / steps if steps is not None else 0.0
+    run = _TrainRun(head, opt, out, fingerprint)
+    if resume:
+        run.resume()
+    run.train(train, held, steps=steps, minutes=minutes, lr=lr, unroll=unroll,
+              eval_every=eval_every or max(1, min(len(train), 200)), progress=progress)
+    if run.best < 0:
+        run.best, run.hard = agreements(head, held or train)
+        head.save(out)
+    return TrainReport(len(seqs), len(held), run.step, time.perf_counter() - t0, len(vd), run.best, decode_seconds,
+                       hard_agreement=run.hard, losses=run.losses)
+
+
+def _check_training_options(items: Sequence[Any], steps: int | None, minutes: float | None, draft_vocab: int,
+                            batch: Any) -> None:
+    """Refuse a missing or non-positive budget, no items, an empty draft vocabulary or a bad batch."""
+    if steps is None and minutes is None:
+        raise InvalidOptionError("Invalid training budget: give steps or minutes.")
+    if (steps is not None and steps < 1) or (minutes is not None and minutes <= 0):
+        raise InvalidOptionError(f"Invalid training budget: steps={steps!r}, minutes={minutes!r}; expected positive values.")
+    if not items:
+        raise InvalidOptionError("Invalid training data: expected at least one item.")
+    if draft_vocab < 1:
+        raise InvalidOptionError(f"Invalid draft_vocab: expected a positive size, got {draft_vocab!r}.")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise InvalidOptionError(f"Invalid batch: expected an integer >= 1, got {batch!r}.")
+
+
+def _saved_outputs(out: Path, fingerprint: str,
+                   items: Sequence[tuple[list[int], CompiledConstraint]]) -> list[DecodedOutput] | None:
+    """The decoded outputs saved in ``out`` by a run on the same items and options; None if none."""
+    outputs_path = out / OUTPUTS_FILE
+    if not outputs_path.is_file():
+        return None
+    saved = torch.load(outputs_path, weights_only=False)
+    if saved.get("fingerprint") != fingerprint:
+        return None
+    return [DecodedOutput(i, items[i][0], toks, items[i][1], f, h) for i, toks, f, h in saved["outputs"]]
+
+
+def _split_held_out(seqs: list[Any], held_out: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """(held-out, training) sequences: a seeded shuffle, ``held_out`` of them (at least one
+    when there are two or more) held out; training keeps at least one."""
+    order = list(range(len(seqs)))
+    random.Random(seed).shuffle(order)
+    n_held = max(1, int(len(seqs) * held_out)) if len(seqs) > 1 and held_out > 0 else 0
+    return [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]] or [seqs[order[0]]]
+
+
+class _TrainRun:
+    """The head's optimization, checkpointed in ``out``: optimizer steps taken, the best held-out
+    agreement so far (-1: none yet) and its hard agreement, and the loss of every step."""
+
+    def __init__(self, head: DraftHead, opt: torch.optim.Optimizer, out: Path, fingerprint: str) -> None:
+        self.head, self.opt, self.out, self.fingerprint = head, opt, out, fingerprint
+        self.ckpt_path = out / CHECKPOINT_FILE
+        self.step, self.best, self.hard = 0, -1.0, None
+        self.losses: list[float] = []
+
+    def resume(self) -> None:
+        """Take up a checkpoint from a run on the same items and options, if there is one."""
+        if not self.ckpt_path.is_file():
+            return
+        ckpt = torch.load(self.ckpt_path, weights_only=False)
+        if ckpt.get("fingerprint") == self.fingerprint:
+            self.head.load_state_dict(ckpt["head"])
+            self.opt.load_state_dict(ckpt["optimizer"])
+            self.step, self.best, self.losses, self.hard = ckpt["step"], ckpt["best"], ckpt["losses"], ckpt.get("hard")
+
+    def train(self, train: list[Any], held: list[Any], *, steps: int | None, minutes: float | None, lr: float,
+              unroll: int, eval_every: int, progress: Callable[[TrainProgress], None] | None) -> None:
+        """Step through ``train`` in turn until ``steps`` or ``minutes`` run out, evaluating on
+        ``held`` (or ``train`` when nothing is held out) every ``eval_every`` steps and at the end."""
+        deadline = time.perf_counter() + 60 * minutes if minutes is not None else math.inf
+        t_train = time.perf_counter()
+
+        def lr_now() -> float:  # the schedule follows whichever budget ends first
+            done = self.step / steps if steps is not None else 0.0
             if minutes is not None:
                 done = max(done, (time.perf_counter() - t_train) / max(1e-9, deadline - t_train))
-            for group in opt.param_groups:
-                group["lr"] = decayed_lr(lr, done)
-            opt.zero_grad()
-            (loss / n).backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
-            losses.append(float(loss.detach()) / n)
-        step += 1
-        last = (steps is not None and step == steps) or time.perf_counter() >= deadline
-        if step % eval_every == 0 or last:
-            agreement, hard_now = agreements(head, held or train)
-            if agreement > best:
-                best, hard = agreement, hard_now
-                head.save(out)
-            torch.save({"fingerprint": fingerprint, "head": head.state_dict(), "optimizer": opt.state_dict(),
-                        "step": step, "best": best, "hard": hard, "losses": losses}, ckpt_path)
-            if progress:
-                recent = losses[-eval_every:]
-                total = steps if steps is not None else step + max(0, int((deadline - time.perf_counter()) /
-                                                                          max(1e-9, (time.perf_counter() - t_train) / max(1, step))))
-                progress(TrainProgress("train", step, total, sum(recent) / max(1, len(recent)), agreement, best,
-                                       hard_now))
-    if best < 0:
-        best, hard = agreements(head, held or train)
-        head.save(out)
-    return TrainReport(len(seqs), len(held), step, time.perf_counter() - t0, len(vd), best, decode_seconds,
-                       hard_agreement=hard, losses=losses)
+            return decayed_lr(lr, done)
+
+        while (steps is None or self.step < steps) and time.perf_counter() < deadline:
+            loss = self.optimizer_step(train[self.step % len(train)], unroll, lr_now)
+            if loss is not None:
+                self.losses.append(loss)
+            self.step += 1
+            last = (steps is not None and self.step == steps) or time.perf_counter() >= deadline
+            if self.step % eval_every == 0 or last:
+                agreement, hard_now = self.evaluate_and_save(held or train)
+                if progress:
+                    recent = self.losses[-eval_every:]
+                    per_step = max(1e-9, (time.perf_counter() - t_train) / max(1, self.step))
+                    total = steps if steps is not None else \
+                        self.step + max(0, int((deadline - time.perf_counter()) / per_step))
+                    progress(TrainProgress("train", self.step, total, sum(recent) / max(1, len(recent)), agreement,
+                                           self.best, hard_now))
+
+    def optimizer_step(self, seq: Any, unroll: int, lr_now: Callable[[], float]) -> float | None:
+        """One optimizer step on ``seq``: its loss per scored token, or None (no step) when it
+        has nothing to score."""
+        loss, hits, _ = _losses(self.head, seq, unroll)
+        n = int(hits.numel())
+        if not n:
+            return None
+        for group in self.opt.param_groups:
+            group["lr"] = lr_now()
+        self.opt.zero_grad()
+        (loss / n).backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.opt.step()
+        return float(loss.detach()) / n
+
+    def evaluate_and_save(self, seqs: list[Any]) -> tuple[float, float | None]:
+        """The agreement on ``seqs`` (and its hard part); the head saved when it is the best so
+        far, and the checkpoint always."""
+        agreement, hard_now = agreements(self.head, seqs)
+        if agreement > self.best:
+            self.best, self.hard = agreement, hard_now
+            self.head.save(self.out)
+        torch.save({"fingerprint": self.fingerprint, "head": self.head.state_dict(), "optimizer": self.opt.state_dict(),
+                    "step": self.step, "best": self.best, "hard": self.hard, "losses": self.losses}, self.ckpt_path)
+        return agreement, hard_now
 
 
 def decayed_lr(lr: float, done: float) -> float:

@@ -21,15 +21,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-import regex
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..api import chat_prefix_length, encode_chat, encode_text, prepare_request, resolve_draft, validate_json_output
-from ..constraint import CompiledConstraint, ConstraintLimits, JsonSchema, compile_constraint, load_schema
-from ..constraint.schema import close_objects
-from ..constraint.validator import compiled_pattern
-from ..constraint.cache import ByteBoundedLRU
+from ..constraint import CheckedConstraint, ConstraintLimits, compile_checked, set_cache_bytes
 from ..batching import BatchEngine
 from ..decoding import DecodeStats, SpecOptions
 from ..errors import ConstrainedSpecError, DeadEndError, InvalidOptionError, InvalidPromptError, OutputValidationError
@@ -56,7 +52,8 @@ class ServerConfig:
     compile_timeout: float = 10.0
     max_tokens_default: int = 512
     api_key: str | None = None
-    #: Bytes of compiled constraints kept (least recently used dropped first).
+    #: Bytes of compiled constraints kept (least recently used dropped first): the bound of the
+    #: process's one compiled-constraint cache (``constraint.set_cache_bytes``), set by ``create_app``.
     constraint_cache_bytes: int = 64 << 20
     #: What a request's schema or pattern may cost (``constraint.limits``), checked before compiling.
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
@@ -65,64 +62,44 @@ class ServerConfig:
     kv_memory: int | None = None
 
 
-@dataclass(frozen=True)
-class _Compiled:
-    compiled: CompiledConstraint
-    schema: JsonSchema | None
-    checker: regex.Pattern[str] | None
-    #: The schema's JSON text size, counted twice (its dict and the validator built from it).
-    schema_bytes: int = 0
-
-    def nbytes(self) -> int:
-        """About what this entry holds (read on every insertion into the cache: no walk here)."""
-        return self.compiled.nbytes + self.schema_bytes
-
-
 def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | None = None,
                config: ServerConfig | None = None) -> FastAPI:
     """The app serving ``model`` (a ``ModelHandle``, id or path; None: the embedded default).
     ``draft``: what "auto" drafts with besides the model-free drafters: None or False
     (nothing), True (the model's shipped head), a head directory, or a draft model (same
     tokenizer, checked now).
-    ``options``: the defaults of every request (a request's own fields override them)."""
+    ``options``: the defaults of every request (a request's own fields override them).
+
+    Side effect: bounds the process's compiled-constraint cache to ``config.constraint_cache_bytes``."""
     handle: ModelHandle = resolve_model(model)
     base = options or SpecOptions()
     # The draft model or head every request's "auto" drafts with (None: none; True: the shipped head).
-    draft_source = resolve_draft(draft, handle, SpecOptions(drafter="hybrid"))
-    cfg = config or ServerConfig()
-    state: dict[str, Any] = {}
+    server = _Server(handle, base, resolve_draft(draft, handle, SpecOptions(drafter="hybrid")), config or ServerConfig())
+    set_cache_bytes(server.cfg.constraint_cache_bytes)
+    app = FastAPI(title="constrained-spec", lifespan=server.lifespan)
+    _add_error_handler(app, server.metrics)
+    if server.cfg.api_key:
+        app.add_middleware(_ApiKeyGuard, key=server.cfg.api_key)
+    _add_info_routes(app, server)
+    _add_generation_routes(app, server)
+    return app
 
-    def make_engine() -> BatchEngine:
-        return BatchEngine(handle.model, max_batch=cfg.max_batch, precision=handle.precision, profile=base.profile,
-                           prefix_cache=base.prefix_cache, kv_memory=cfg.kv_memory)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        worker = EngineWorker(make_engine, capacity=cfg.max_batch + cfg.max_queue)
-        state["worker"] = worker
-        yield
-        await asyncio.to_thread(worker.stop, cfg.request_timeout)
-
-    app = FastAPI(title="constrained-spec", lifespan=lifespan)
-    metrics = ServerMetrics(queue_depth=lambda: state["worker"].waiting if "worker" in state else 0,
-                            decoding=lambda: len(state["worker"].engine.active) if "worker" in state else 0,
-                            kv_bytes=lambda: state["worker"].engine.cache.allocated_bytes if "worker" in state else 0,
-                            prefix_bytes=lambda: (state["worker"].engine.prefix_cache.bytes
-                                                  if "worker" in state and state["worker"].engine.prefix_cache else 0))
-    compiled_cache: ByteBoundedLRU[_Compiled] = ByteBoundedLRU(cfg.constraint_cache_bytes, _Compiled.nbytes)
-    model_ids = {handle.name, "default"}
-
+def _add_error_handler(app: FastAPI, metrics: ServerMetrics) -> None:
+    """An ``ApiError`` becomes its JSON error body and status, counted in the metrics."""
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    if cfg.api_key:
-        app.add_middleware(_ApiKeyGuard, key=cfg.api_key)
+
+def _add_info_routes(app: FastAPI, server: _Server) -> None:
+    """``GET /health``, ``GET /v1/models`` and ``GET /metrics``."""
+    handle = server.handle
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        worker = state.get("worker")
+        worker = server.worker
         return {"status": "ok", "model": handle.name,
                 "decoding": len(worker.engine.active) if worker else 0, "waiting": worker.waiting if worker else 0}
 
@@ -133,29 +110,66 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        body, content_type = metrics.render()
+        body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
 
-    async def compile_for(spec: ConstraintSpec) -> _Compiled:
-        key = spec.cache_key
-        hit = compiled_cache.get(key)
-        if hit is not None:
-            return hit
+
+def _add_generation_routes(app: FastAPI, server: _Server) -> None:
+    """``POST /v1/chat/completions`` and ``POST /v1/completions``."""
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await server.generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.generate(request, "completion")
+
+
+class _Server:
+    """What the routes share: the model, the request defaults, the config, the metrics and the
+    engine's worker (started and stopped by ``lifespan``)."""
+
+    def __init__(self, handle: ModelHandle, base: SpecOptions, draft_source: Any, cfg: ServerConfig) -> None:
+        self.handle, self.base, self.draft_source, self.cfg = handle, base, draft_source, cfg
+        self.model_ids = {handle.name, "default"}
+        #: The engine's thread; None until the app starts.
+        self.worker: EngineWorker | None = None
+        self.metrics = ServerMetrics(queue_depth=lambda: self.worker.waiting if self.worker else 0,
+                                     decoding=lambda: len(self.worker.engine.active) if self.worker else 0,
+                                     kv_bytes=lambda: self.worker.engine.cache.allocated_bytes if self.worker else 0,
+                                     prefix_bytes=lambda: (self.worker.engine.prefix_cache.bytes
+                                                           if self.worker and self.worker.engine.prefix_cache else 0))
+
+    def make_engine(self) -> BatchEngine:
+        handle, cfg, base = self.handle, self.cfg, self.base
+        return BatchEngine(handle.model, max_batch=cfg.max_batch, precision=handle.precision, profile=base.profile,
+                           prefix_cache=base.prefix_cache, kv_memory=cfg.kv_memory)
+
+    @asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        worker = EngineWorker(self.make_engine, capacity=self.cfg.max_batch + self.cfg.max_queue)
+        self.worker = worker
+        yield
+        await asyncio.to_thread(worker.stop, self.cfg.request_timeout)
+
+    async def compile_for(self, spec: ConstraintSpec) -> CheckedConstraint:
+        """The request's constraint from the one cache, compiled within ``compile_timeout`` on a miss."""
         try:
-            entry = await asyncio.wait_for(asyncio.to_thread(_compile, spec, handle, base, cfg.limits),
-                                           cfg.compile_timeout)
+            return await asyncio.wait_for(asyncio.to_thread(_compile, spec, self.handle, self.base, self.cfg.limits),
+                                          self.cfg.compile_timeout)
         except asyncio.TimeoutError:
-            raise ApiError(400, f"The constraint did not compile within {cfg.compile_timeout:g} s.", param=spec.param,
-                           code="compile_timeout") from None
+            raise ApiError(400, f"The constraint did not compile within {self.cfg.compile_timeout:g} s.",
+                           param=spec.param, code="compile_timeout") from None
         except ConstrainedSpecError as e:
             raise ApiError(400, str(e), param=spec.param, code="invalid_constraint") from None
-        return compiled_cache.put(key, entry)
 
-    async def start(request: Request, parsed: Parsed) -> tuple[Job, _Compiled, int]:
-        if parsed.model is not None and parsed.model not in model_ids:
+    async def start(self, request: Request, parsed: Parsed) -> tuple[Job, CheckedConstraint, int]:
+        """Check the request, compile its constraint, encode its prompt and queue it on the engine."""
+        handle, cfg = self.handle, self.cfg
+        if parsed.model is not None and parsed.model not in self.model_ids:
             raise ApiError(404, f"The model '{parsed.model}' is not served here; this server serves "
                                 f"'{handle.name}' (GET /v1/models).", param="model", code="model_not_found")
-        entry = await compile_for(parsed.constraint)
+        entry = await self.compile_for(parsed.constraint)
         try:
             ids = encode_chat(handle, parsed.messages) if parsed.messages is not None else encode_text(handle, parsed.prompt or "")
         except InvalidPromptError as e:
@@ -167,14 +181,9 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
             raise ApiError(400, f"max_tokens {parsed.max_tokens} and the prompt's {len(ids)} tokens do not fit the "
                                 f"model's context of {handle.context_length} tokens.", param="max_tokens",
                            code="context_length_exceeded")
-        try:
-            opts = SpecOptions.build(base, temperature=parsed.temperature, seed=parsed.seed,
-                                     max_new_tokens=min(wanted, room), lenient=parsed.constraint.lenient,
-                                     **parsed.speculative)
-        except InvalidOptionError as e:
-            raise ApiError(400, str(e), param="speculative", code="invalid_value") from None
+        opts = self.request_options(parsed, max_new_tokens=min(wanted, room))
         task = "json" if parsed.constraint.kind == "json" else "text"
-        uses_draft = draft_source if opts.drafter_kind in ("model", "head", "hybrid") else None
+        uses_draft = self.draft_source if opts.drafter_kind in ("model", "head", "hybrid") else None
         try:
             # Conversations opening with the same system turns share their keys (prefix cache).
             shared = chat_prefix_length(handle, parsed.messages, ids) if parsed.messages is not None else None
@@ -182,68 +191,75 @@ def create_app(model: Any = None, *, draft: Any = None, options: SpecOptions | N
                                     prefix_len=shared)
         except InvalidOptionError as e:  # drafter "model" on a server without a draft model
             raise ApiError(400, str(e), param="speculative.drafter", code="invalid_value") from None
-        engine = state["worker"].engine
-        needs = engine.kv_bytes_alone(len(ids), opts.max_new_tokens)
-        if needs > engine.kv_memory:  # it could never join: say so now rather than queue it
-            raise ApiError(400, f"The request needs {needs / 2**20:.0f} MiB of KV cache ({len(ids)} prompt tokens and "
-                                f"up to {opts.max_new_tokens} new ones), more than this server's --kv-memory of "
-                                f"{engine.kv_memory / 2**20:.0f} MiB; lower max_tokens or shorten the prompt.",
-                           param="max_tokens", code="kv_memory_exceeded")
+        self.check_kv_room(len(ids), opts.max_new_tokens)
         job = Job(parts, opts, asyncio.get_running_loop())
         try:
-            state["worker"].submit(job)
+            self.worker.submit(job)
         except QueueFull:
             raise ApiError(429, "The server is at capacity; retry shortly.", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
         return job, entry, len(ids)
 
-    async def generate(request: Request, kind: str) -> Response:
+    def request_options(self, parsed: Parsed, *, max_new_tokens: int) -> SpecOptions:
+        """The server's defaults with the request's own fields over them (a bad one is a 400)."""
+        try:
+            return SpecOptions.build(self.base, temperature=parsed.temperature, seed=parsed.seed,
+                                     max_new_tokens=max_new_tokens, lenient=parsed.constraint.lenient,
+                                     **parsed.speculative)
+        except InvalidOptionError as e:
+            raise ApiError(400, str(e), param="speculative", code="invalid_value") from None
+
+    def check_kv_room(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """A 400 now for a request that could never join the engine (rather than queue it)."""
+        engine = self.worker.engine
+        needs = engine.kv_bytes_alone(prompt_tokens, max_new_tokens)
+        if needs > engine.kv_memory:
+            raise ApiError(400, f"The request needs {needs / 2**20:.0f} MiB of KV cache ({prompt_tokens} prompt tokens and "
+                                f"up to {max_new_tokens} new ones), more than this server's --kv-memory of "
+                                f"{engine.kv_memory / 2**20:.0f} MiB; lower max_tokens or shorten the prompt.",
+                           param="max_tokens", code="kv_memory_exceeded")
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        """One completion request, answered whole or streamed."""
         t0 = time.perf_counter()
         parsed = parse_body(await _read_body(request), kind)  # type: ignore[arg-type]
-        job, entry, prompt_tokens = await start(request, parsed)
-        run = _Run(job, entry, parsed, handle, prompt_tokens, kind, t0)
-        endpoint = request.url.path
+        job, entry, prompt_tokens = await self.start(request, parsed)
+        run = _Run(job, entry, parsed, self.handle, prompt_tokens, kind, t0)
         if parsed.stream:
-            from sse_starlette.sse import EventSourceResponse
-
-            async def events() -> AsyncIterator[str]:
-                status = "200"
-                try:
-                    async for chunk in run.stream(cfg.request_timeout):
-                        yield json.dumps(chunk)
-                    yield "[DONE]"
-                except ApiError as e:
-                    status = str(e.status)
-                    yield json.dumps(e.body())
-                finally:
-                    if not run.ended:
-                        state["worker"].cancel(job)
-                        status = "499"
-                    metrics.requests.labels(endpoint, status).inc()
-                    run.record(metrics)
-
-            return EventSourceResponse(events(), ping=15)
+            return self.streamed(run, request.url.path)
         try:
-            body = await run.complete(cfg.request_timeout, request)
+            body = await run.complete(self.cfg.request_timeout, request)
         finally:
             if not run.ended:
-                state["worker"].cancel(job)
+                self.worker.cancel(job)
         if body is None:  # the client went away
-            metrics.requests.labels(endpoint, "499").inc()
+            self.metrics.requests.labels(request.url.path, "499").inc()
             return Response(status_code=499)
-        metrics.requests.labels(endpoint, "200").inc()
-        run.record(metrics)
+        self.metrics.requests.labels(request.url.path, "200").inc()
+        run.record(self.metrics)
         return JSONResponse(body)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await generate(request, "chat")
+    def streamed(self, run: _Run, endpoint: str) -> Response:
+        """The run as server-sent events: its chunks, then ``[DONE]`` (or the error's body)."""
+        from sse_starlette.sse import EventSourceResponse
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completion")
+        async def events() -> AsyncIterator[str]:
+            status = "200"
+            try:
+                async for chunk in run.stream(self.cfg.request_timeout):
+                    yield json.dumps(chunk)
+                yield "[DONE]"
+            except ApiError as e:
+                status = str(e.status)
+                yield json.dumps(e.body())
+            finally:
+                if not run.ended:
+                    self.worker.cancel(run.job)
+                    status = "499"
+                self.metrics.requests.labels(endpoint, status).inc()
+                run.record(self.metrics)
 
-    return app
+        return EventSourceResponse(events(), ping=15)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -291,28 +307,18 @@ class _ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
-def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions, limits: ConstraintLimits) -> _Compiled:
-    """Compile a request's constraint (the backend refuses one that matches nothing, the limits
-    one that would cost too much) and the final check of its output."""
-    schema = load_schema(spec.source, limits=limits) if spec.kind == "json" else None
-    if schema is not None and spec.closed:
-        schema = schema._replace(schema=close_objects(schema.schema))
-    compiled = compile_constraint(schema if schema is not None else spec.source, handle.tokenizer, kind=spec.kind,
-                                  backend=base.backend, lenient=spec.lenient, whitespace=base.whitespace,
-                                  limits=limits)
-    checker = None
-    if spec.kind == "regex" and spec is not FREE_TEXT:
-        try:
-            checker = compiled_pattern(spec.source)
-        except regex.error:  # a pattern in the backend's syntax only: the matcher alone enforces it
-            checker = None
-    return _Compiled(compiled, schema, checker, 2 * len(json.dumps(schema.schema)) if schema is not None else 0)
+def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions, limits: ConstraintLimits) -> CheckedConstraint:
+    """A request's constraint (the backend refuses one that matches nothing, the limits one that
+    would cost too much) and the final check of its output, from the one compiled-constraint cache."""
+    return compile_checked(spec.source, handle.tokenizer, kind=spec.kind, closed=spec.closed,
+                           check_output=spec is not FREE_TEXT, backend=base.backend, lenient=spec.lenient,
+                           whitespace=base.whitespace, limits=limits)
 
 
 class _Run:
     """One request's events turned into an OpenAI response (whole, or as stream chunks)."""
 
-    def __init__(self, job: Job, entry: _Compiled, parsed: Parsed, handle: ModelHandle, prompt_tokens: int,
+    def __init__(self, job: Job, entry: CheckedConstraint, parsed: Parsed, handle: ModelHandle, prompt_tokens: int,
                  kind: str, t0: float) -> None:
         self.job, self.entry, self.parsed, self.handle = job, entry, parsed, handle
         self.prompt_tokens = prompt_tokens

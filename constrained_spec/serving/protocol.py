@@ -132,10 +132,6 @@ class ConstraintSpec:
     param: str = "response_format"
     closed: bool = False
 
-    @property
-    def cache_key(self) -> str:
-        return json.dumps([self.kind, self.source, self.lenient, self.closed], sort_keys=True)
-
 
 #: A request without a constraint: any text, ended by the model's EOS or the token limit.
 FREE_TEXT = ConstraintSpec("regex", r"[\s\S]*", param="")

@@ -1,4 +1,5 @@
-// Q4_1 weights times activations quantized to int8 per block of 32 (llama.cpp's q4_1 x q8_1
+// Four-bit weights (w = d q + m, q in 0..15, float32 d and m per block of 32: Q4_0, Q4_1, Q4_K
+// repacked) times activations quantized to int8 per block of 32 (llama.cpp's q4_1 x q8_1
 // arithmetic), or split into two int8 parts (about 15 bits: x = dx (a + b / 254), as in
 // q8_0_vnni.cpp), on AVX-512 VNNI, batch-invariant: every row's result is computed by the same
 // instructions in the same order whatever the other rows are (see models/q4_vnni.py).
@@ -90,7 +91,7 @@ void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* q, int8_t* qb,
 }
 
 template <bool SPLIT_ROWS>
-void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, const uint8_t* wp, const uint16_t* sp,
+void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, const uint8_t* wp, const float* sp,
               float* yp);
 
 at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, bool split) {
@@ -99,8 +100,8 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "q4_1_mm: packed must be contiguous uint8 [N/32, K/32, 512]");
   const int64_t M = x.size(0), K = x.size(1), NP = packed.size(0), G = packed.size(1), N = NP * 2 * COLS;
   TORCH_CHECK(G * GROUP == K, "q4_1_mm: packed [", NP, ", ", G, "] does not fit x's ", K, " columns");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == NP * G * 4 * COLS,
-              "q4_1_mm: scales must be contiguous float16 [N/32, K/32, 2, 2, 16]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == NP * G * 4 * COLS,
+              "q4_1_mm: scales must be contiguous float32 [N/32, K/32, 2, 2, 16]");
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   std::vector<int8_t> xq(M * K), xb(split ? M * K : 0);
@@ -108,7 +109,7 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   quantize_rows(x.const_data_ptr<float>(), M, K, xq.data(), split ? xb.data() : nullptr, dx.data(), sx.data());
   const Rows rows{xq.data(), xb.data(), dx.data(), sx.data(), K, G};
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.const_data_ptr());
+  const float* sp = scales.const_data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (split)
     multiply<true>(rows, M, NP, G, N, wp, sp, yp);
@@ -118,7 +119,7 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 }
 
 template <bool SPLIT_ROWS>
-void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, const uint8_t* wp, const uint16_t* sp,
+void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, const uint8_t* wp, const float* sp,
               float* yp) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   // Threads split the columns, never a row's sum: the split changes no bit.
@@ -131,7 +132,7 @@ void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, con
         __m512 d[2], m[2];
         // One stream of bytes a thread: the pair's blocks of each group side by side.
         const uint8_t* w = wp + (pair * G + g) * BLOCK_BYTES;
-        const uint16_t* sc = sp + (pair * G + g) * 4 * COLS;
+        const float* sc = sp + (pair * G + g) * 4 * COLS;
         for (int c = 0; c < 2; ++c) {
 #pragma GCC unroll 4
           for (int t = 0; t < 4; ++t) {
@@ -139,9 +140,9 @@ void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, con
             b[8 * c + t] = _mm512_and_si512(raw, low);
             b[8 * c + t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
           }
-          // d and m as stored (float16: exact in float32).
-          d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 2 * c * COLS)));
-          m[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (2 * c + 1) * COLS)));
+          // d and m as stored in float32 (a file's float16 widened exactly, Q4_K's d * sc as computed).
+          d[c] = _mm512_loadu_ps(sc + 2 * c * COLS);
+          m[c] = _mm512_loadu_ps(sc + (2 * c + 1) * COLS);
         }
         int64_t r = 0;
         for (; r + 4 <= M; r += 4) rows_block<4, SPLIT_ROWS>(b, rows, r, g, d, m, acc.data() + r * 2 * COLS);

