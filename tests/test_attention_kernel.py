@@ -20,7 +20,7 @@ def _qkv(heads: int, kv_heads: int, dim: int, rows: int, keys: int, batch: int =
             torch.randn(batch, kv_heads, keys, dim, generator=g))
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (16, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (16, 1, 64), (4, 1, 256)])
 @pytest.mark.parametrize("rows", [1, 7, 21])
 def test_matches_float64_attention_as_closely_as_torch_float32(heads, kv_heads, dim, rows):
     q, k, v = _qkv(heads, kv_heads, dim, rows, 300 + rows)
@@ -32,11 +32,16 @@ def test_matches_float64_attention_as_closely_as_torch_float32(heads, kv_heads, 
     got = attention_kernel.attend(q, k, v, allowed, dim ** -0.5)
     assert got.shape == q.shape and got.dtype == torch.float32
     error, stock_error = (got.double() - want).abs().max(), (stock.double() - want).abs().max()
-    assert error < 2 * stock_error + 1e-6, (error, stock_error)
+    # Each score is one chain of FMAs in a fixed order (the invariance): its rounding grows with
+    # the chain's length, where torch's blocked sums grow with its logarithm, so 256-wide heads
+    # (Gemma's) get a wider margin; still a few units of 2^-20 on outputs of order one.
+    margin = 2 if dim <= 128 else 8
+    assert error < margin * stock_error + 1e-6, (error, stock_error)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_each_row_of_a_pass_has_its_one_row_bits(threads):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256)])
+def test_each_row_of_a_pass_has_its_one_row_bits(threads, heads, kv_heads, dim):
     """21 rows of a verify pass against each row alone in a one-token pass (the cache's view, no
     mask), on one thread and two, and every slice of the pass; the stock float32 kernel is the
     control in ``test_long_context``."""
@@ -44,7 +49,7 @@ def test_each_row_of_a_pass_has_its_one_row_bits(threads):
     torch.set_num_threads(threads)
     try:
         past, rows = 300, 21
-        q, k, v = _qkv(9, 3, 64, rows, past + rows, seed=1)
+        q, k, v = _qkv(heads, kv_heads, dim, rows, past + rows, seed=1)
         alone = torch.cat([attention_kernel.attend(q[:, :, i : i + 1], k[:, :, : past + i + 1], v[:, :, : past + i + 1],
                                                    None, 0.125) for i in range(rows)], dim=2)
         for start, r in ((0, 21), (0, 1), (3, 4), (5, 12), (20, 1)):
@@ -101,7 +106,7 @@ def test_invariant_attention_takes_the_kernel():
 def test_shapes_it_does_not_compute_are_refused_by_name(monkeypatch):
     assert not attention_kernel.fits(9, 3, 96) and not attention_kernel.fits(34, 2, 64)
     q, k, v = _qkv(4, 2, 96, 1, 10)
-    with pytest.raises(RuntimeError, match="head dimension 64 or 128"):
+    with pytest.raises(RuntimeError, match="head dimension 64, 128 or 256"):
         torch.ops.constrained_spec.attend_rows(q, k, v, None, 0.1)
     q, k, v = _qkv(4, 3, 64, 1, 10)
     with pytest.raises(RuntimeError, match="4 query heads over 3 key heads"):

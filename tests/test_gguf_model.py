@@ -105,6 +105,22 @@ def test_a_later_load_reads_the_packed_cache_and_computes_the_same_bits(tiny_fil
     assert native_model(path, handle.model.config, folder).state_dict().keys() == again.state_dict().keys()
 
 
+def test_a_gguf_draft_model_drafts_for_a_gguf_target_of_the_same_tokenizer(tiny_files, tmp_path):
+    """``draft="small.gguf"``: a second file of the same tokenizer, loaded natively as the draft;
+    the output is target-only's, and the draft model did draft."""
+    draft = write_tiny_gguf(tmp_path / "draft.gguf", arch="llama", types={"attn_q": "Q4_0"}, default="Q4_1",
+                            layers=1, seed=7, **{k: v for k, v in SHAPE.items() if k != "layers"}, gpt2_vocab=2000)
+    try:
+        target = load_model(str(tiny_files["llama"]))
+        pattern, prompt = r"[a-z]{3,10}( [a-z]{3,10}){2,5}\.", "Three to six short words: "
+        base = generate_regex(target, pattern, prompt, drafter="none", max_new_tokens=48)
+        text, stats = generate_regex(target, pattern, prompt, drafter="model", draft=str(draft), k_max=4,
+                                     max_new_tokens=48, return_stats=True)
+        assert text == base and stats.drafted > 0
+    finally:
+        shutil.rmtree(metadata_location(draft), ignore_errors=True)
+
+
 def _resident(model) -> int:
     held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     return sum(held.values())

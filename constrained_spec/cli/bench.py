@@ -33,7 +33,7 @@ JsonOpt = typer.Option(None, "--json", help="Also write the figures to this file
 PrecisionsOpt = typer.Option(None, "--precision", help="One precision, or several side by side in one run: float32,native or native-exact,native (the embedded model).")
 DocumentsOpt = typer.Option(None, "--documents", help="JSONL of {id, text, expected?}; default: the 64 people documents shipped in the package.")
 LimitOpt = typer.Option(None, "--limit", help="Only the first N prompts or documents.")
-LlamaCppOpt = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="Include llama.cpp's grammar path on the embedded GGUF as a reference row (where llama-cpp-python is installed).")
+LlamaCppOpt = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="Include llama.cpp on the model's GGUF file as reference rows, with and without its grammar (where llama-cpp-python is installed).")
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ EXAMPLE_PROMPT = (
     "Text: Maria Gonzalez is a 34-year-old architect who lives in Barcelona. She designs public libraries."
 )
 
-ModelOpt = typer.Option(None, "--model", "-m", help="Model id or local path; default: the embedded SmolLM2-135M-Instruct.")
+ModelOpt = typer.Option(None, "--model", "-m", help="A GGUF file (run at its own precision), a model id or a local folder; default: the embedded SmolLM2-135M-Instruct.")
 def _draft_value(value: Optional[str]) -> Any:
     """--draft none: no learned draft; --draft shipped: the head the package ships for the model."""
     if isinstance(value, str) and value.lower() in ("none", "off", "false"):

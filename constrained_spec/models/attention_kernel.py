@@ -29,7 +29,7 @@ import torch
 
 from . import cpu_kernels
 
-_HEAD_DIMS = (64, 128)
+_HEAD_DIMS = (64, 128, 256)
 _MAX_GROUP = 16
 
 #: Whether this process attends new rows with the kernel: asked for (``RuntimeConfig.attention_kernel``,
@@ -40,7 +40,7 @@ enabled = cpu_kernels.ProcessChoice("attention_kernel",
 
 def fits(heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel computes attention of this shape (and is enabled): a head dimension of
-    64 or 128, and at most 16 query heads a key head."""
+    64, 128 or 256 (Gemma's), and at most 16 query heads a key head."""
     return (head_dim in _HEAD_DIMS and kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= _MAX_GROUP
             and enabled())
 

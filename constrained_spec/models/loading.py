@@ -436,7 +436,9 @@ def check_same_tokenizer(target: ModelHandle, draft: ModelHandle) -> None:
             f"eos {d.eos_token_id}; target {len(t.token_bytes)} tokens, eos {t.eos_token_id}). "
             "Use a draft model from the same family, trained with the same tokenizer."
         )
-    dv = draft.model.get_output_embeddings().weight.shape[0] if draft.model.get_output_embeddings() is not None else None
+    out = draft.model.get_output_embeddings()
+    # A packed output layer (a GGUF model's) has no weight matrix to read, only its size.
+    dv = None if out is None else getattr(out, "out_features", None) or out.weight.shape[0]
     if dv is not None and dv < t.size:
         raise TokenizerMismatchError(
             f"Invalid draft: its output layer has {dv} rows, fewer than the {t.size} token ids of the tokenizer."

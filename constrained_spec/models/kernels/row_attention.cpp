@@ -264,7 +264,7 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at:
   const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3);
   const int64_t Hk = key.size(1), KV = key.size(2);
   TORCH_CHECK(key.size(0) == B && value.sizes() == key.sizes() && key.size(3) == D, "attend_rows: key and value must be [B, Hk, KV, D]");
-  TORCH_CHECK(D == 64 || D == 128, "attend_rows: head dimension 64 or 128, not ", D);
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "attend_rows: head dimension 64, 128 or 256, not ", D);
   TORCH_CHECK(Hk > 0 && H % Hk == 0 && H / Hk <= MAX_GROUP, "attend_rows: ", H, " query heads over ", Hk, " key heads");
   const bool masked = allowed.has_value() && allowed->defined();
   at::Tensor mask;
@@ -320,12 +320,16 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at:
         const float* kh = kt.data() + hk * D * padded;
         auto run = [&](const int64_t* rows, const int32_t* ks, const int64_t* counts, int count) {
           float* o[2] = {op + (bi * R + rows[0]) * H * D, count == 2 ? op + (bi * R + rows[1]) * H * D : nullptr};
+          // Gemma's 256-wide heads: twice the accumulators of the 128-wide ones, so a pair of rows
+          // spills registers; the arithmetic of each row is the same either way.
           if (count == 2) {
             if (D == 64) attend_rows_of<4, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
-            else attend_rows_of<8, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
+            else if (D == 128) attend_rows_of<8, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
+            else attend_rows_of<16, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
           } else {
             if (D == 64) attend_rows_of<4, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
-            else attend_rows_of<8, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
+            else if (D == 128) attend_rows_of<8, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
+            else attend_rows_of<16, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
           }
         };
         if (nested) {
