@@ -121,6 +121,26 @@ def test_a_gguf_draft_model_drafts_for_a_gguf_target_of_the_same_tokenizer(tiny_
         shutil.rmtree(metadata_location(draft), ignore_errors=True)
 
 
+def test_the_float32_model_of_a_file_is_verified_exactly_with_its_own_file_as_the_draft(tiny_files):
+    """``precision="float32"``: the file's weights dequantized exactly, on the same batch-invariant
+    forward (logits within float32 summation order of transformers' model of the file); the
+    file at native precision drafts for it and the output is float32 target-only's."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_files["gemma3"]
+    exact = load_model(str(path), precision="float32")
+    assert exact.precision == "float32" and exact.gguf_file == path
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = exact.tokenizer("The quick brown fox jumps over the lazy dog", add_special_tokens=False)["input_ids"]
+    ours, theirs = _logits(exact.model, ids), _logits(reference, ids)
+    assert float((ours - theirs).abs().max()) < 1e-4 * float(theirs.std())
+    pattern, prompt = r"(yes|no|maybe), [a-z]{2,12} [0-9]{1,6}", "Is the sky green? "
+    base = generate_regex(exact, pattern, prompt, drafter="none", max_new_tokens=48)
+    text, stats = generate_regex(exact, pattern, prompt, drafter="model", draft=str(path), k_max=4, max_new_tokens=48,
+                                 return_stats=True)
+    assert text == base and stats.drafted > 0
+
+
 def _resident(model) -> int:
     held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     return sum(held.values())

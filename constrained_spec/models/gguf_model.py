@@ -143,11 +143,14 @@ def _row_order(processor: Any, name: str, rows: int) -> np.ndarray | None:
     return None if np.array_equal(order, np.arange(rows)) else order
 
 
-def _quant_linear(form: Any, bias: torch.Tensor | None) -> nn.Module:
-    """The ``QuantLinear`` of an unpacked tensor (``models.gguf_quants``)."""
+def _quant_linear(form: Any, bias: torch.Tensor | None, dense: bool = False) -> nn.Module:
+    """The ``QuantLinear`` of an unpacked tensor (``models.gguf_quants``); ``dense``: its exact
+    float32 weights instead of the packed form."""
     from .gguf_quants import EightBit, FourBit
     from .quant_linear import QuantLinear
 
+    if dense and isinstance(form, (FourBit, EightBit)):
+        form = form.dequantize()
     if isinstance(form, FourBit):
         return QuantLinear.four_bit(form.q, form.scale, form.min, bias=bias)
     if isinstance(form, EightBit):
@@ -188,9 +191,11 @@ def _rebuild_rotary(model: nn.Module) -> None:
             setattr(model.get_submodule(parent_name) if parent_name else model, child, fresh)
 
 
-def build_native_model(path: Path, hf_config: Any) -> nn.Module:
+def build_native_model(path: Path, hf_config: Any, dense: bool = False) -> nn.Module:
     """transformers' model for ``hf_config`` with every weight from the GGUF at ``path`` in its
-    stored form (see the module docstring); not yet batch-invariant."""
+    stored form (see the module docstring), or with ``dense`` dequantized exactly to float32 (a
+    float32 model of the file's weights: the kernels' activation rounding gone, several times
+    the memory); not yet batch-invariant."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from transformers import AutoModelForCausalLM
@@ -241,9 +246,9 @@ def build_native_model(path: Path, hf_config: Any) -> nn.Module:
     for module_name, form in linears.items():
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child,
-                _quant_linear(form, biases.get(module_name)))
+                _quant_linear(form, biases.get(module_name), dense))
     embedding = model.get_input_embeddings()
-    source = model.get_output_embeddings() if tied else _quant_linear(embedding_form, None)
+    source = model.get_output_embeddings() if tied else _quant_linear(embedding_form, None, dense)
     model.set_input_embeddings(GatheredEmbedding(source, _embedding_scale(embedding), embedding.padding_idx, tied=tied))
     fuse_shared_inputs(model)
     _rebuild_rotary(model)
@@ -302,12 +307,14 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def packed_cache_name() -> str:
+def packed_cache_name(dense: bool = False) -> str:
     """The packed weights' file name in a file's metadata folder: it names the kernels' layouts
-    and whether they run (a change of either must not read an old cache)."""
+    and whether they run (a change of either must not read an old cache), or the float32 model's."""
     from . import q4_vnni, q8_output
     from .quant_linear import _eight_bit_kernel, _four_bit_kernel
 
+    if dense:
+        return "float32.safetensors"
     kernels = "vnni" if _four_bit_kernel() and _eight_bit_kernel() else "dense"
     return f"native-{kernels}-q4v{q4_vnni.LAYOUT}-q8v{q8_output.LAYOUT}.safetensors"
 
@@ -384,12 +391,13 @@ def load_packed(path: Path, hf_config: Any) -> nn.Module:
     return model.eval()
 
 
-def native_model(path: Path, hf_config: Any, folder: Path) -> nn.Module:
-    """The native model of the GGUF at ``path``: from the packed cache in ``folder`` where a
-    load saved one, else built from the file (``build_native_model``) and saved there."""
-    cached = folder / packed_cache_name()
+def native_model(path: Path, hf_config: Any, folder: Path, dense: bool = False) -> nn.Module:
+    """The native model of the GGUF at ``path`` (``dense``: its float32 model): from the cache in
+    ``folder`` where a load saved one, else built from the file (``build_native_model``) and
+    saved there."""
+    cached = folder / packed_cache_name(dense)
     if cached.is_file():
         return load_packed(cached, hf_config)
-    model = build_native_model(path, hf_config)
+    model = build_native_model(path, hf_config, dense)
     save_packed(model, cached)
     return model

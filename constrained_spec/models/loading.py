@@ -191,7 +191,8 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
 
 def _load_gguf(path: Path, precision: str, device: str | torch.device | None, config: RuntimeConfig) -> ModelHandle:
     """A GGUF file: at its own precision on the CPU kernels (``models.gguf_model``) where
-    ``precision`` is native and the architecture runs natively; else through transformers, its
+    ``precision`` is native and the architecture runs natively; float32 on the CPU on the same
+    batch-invariant forward with the weights dequantized exactly; else through transformers, its
     weights dequantized to ``precision`` (with a warning naming why, when native was asked for)."""
     import warnings
 
@@ -218,11 +219,14 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
                       f"(those that do: {', '.join(NATIVE_ARCHITECTURES)}); loading it through transformers in "
                       "float32, slower and about eight times the file's size in memory.", stacklevel=3)
         precision, native = "float32", False
-    if native:
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if native or (precision == "float32" and on_cpu and hf_config.model_type in NATIVE_ARCHITECTURES):
         from .invariant import make_batch_invariant
 
-        model = make_batch_invariant(native_model(path, hf_config, folder))
-        name = f"{path.stem} (native)"
+        # float32 on the CPU: the file's weights dequantized exactly, on the same batch-invariant
+        # forward (a draft of the same file at native precision then verifies exactly).
+        model = make_batch_invariant(native_model(path, hf_config, folder, dense=not native))
+        name = f"{path.stem} ({precision})"
     else:
         from transformers.utils import logging as hf_logging
 
