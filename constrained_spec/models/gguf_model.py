@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -191,27 +191,25 @@ def _rebuild_rotary(model: nn.Module) -> None:
             setattr(model.get_submodule(parent_name) if parent_name else model, child, fresh)
 
 
-def build_native_model(path: Path, hf_config: Any, dense: bool = False) -> nn.Module:
-    """transformers' model for ``hf_config`` with every weight from the GGUF at ``path`` in its
-    stored form (see the module docstring), or with ``dense`` dequantized exactly to float32 (a
-    float32 model of the file's weights: the kernels' activation rounding gone, several times
-    the memory); not yet batch-invariant."""
-    from gguf import GGUFReader
+class FileWeights(NamedTuple):
+    """A GGUF file's weights as ``read_weights`` sorts them for a model."""
+
+    linears: dict[str, Any]  # linear module name -> its unpacked weight (``models.gguf_quants``)
+    biases: dict[str, torch.Tensor]  # linear module name -> its float32 bias
+    embedding: Any  # the token embedding, unpacked
+
+
+def read_weights(reader: Any, model: nn.Module, processor: Any) -> FileWeights:
+    """Every tensor of ``reader`` that ``model`` (on the meta device) has a place for: matrices
+    unpacked in their stored form (q/k rows in transformers' order), float tensors (norms)
+    dequantized, corrected by transformers' ``processor`` and put in place at once."""
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     from .gguf_quants import unpack
 
-    reader = GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[reader.fields["general.architecture"].data[0]]).decode()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
-    linears: dict[str, Any] = {}  # module name -> unpacked weight
-    biases: dict[str, torch.Tensor] = {}
-    embedding_form: Any = None
+    weights = FileWeights({}, {}, None)
     for tensor in reader.tensors:
         hf_name = names.get(tensor.name)
         if hf_name is None:
@@ -225,30 +223,44 @@ def build_native_model(path: Path, hf_config: Any, dense: bool = False) -> nn.Mo
             if order is not None:
                 form = form.take_rows(order) if hasattr(form, "take_rows") else form[order]
             if isinstance(module, nn.Embedding):
-                embedding_form = form
+                weights = weights._replace(embedding=form)
             else:
-                linears[module_name] = form
+                weights.linears[module_name] = form
             continue
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         # A copy: the reader's arrays are read-only views of the mapped file.
         values = torch.from_numpy(np.array(processor.process(weights=values, name=tensor.name).weights,
                                            dtype=np.float32, order="C", copy=True))
         if isinstance(module, nn.Linear) and attr == "bias":
-            biases[module_name] = values
+            weights.biases[module_name] = values
         else:
             _set_tensor(model, hf_name, values)
-    output_name = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
-    if embedding_form is None:
+    return weights
+
+
+def build_native_model(path: Path, hf_config: Any, dense: bool = False) -> nn.Module:
+    """transformers' model for ``hf_config`` with every weight from the GGUF at ``path`` in its
+    stored form (see the module docstring), or with ``dense`` dequantized exactly to float32 (a
+    float32 model of the file's weights: the kernels' activation rounding gone, several times
+    the memory); not yet batch-invariant."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[reader.fields["general.architecture"].data[0]]).decode()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    weights = read_weights(reader, model, TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict()))
+    if weights.embedding is None:
         raise ModelLoadError(f"{str(path)!r} has no token_embd tensor.")
-    tied = output_name not in linears
-    if tied:
-        linears[output_name] = embedding_form
+    output_name = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    tied = output_name not in weights.linears
+    linears = {**weights.linears, output_name: weights.embedding} if tied else weights.linears
     for module_name, form in linears.items():
-        parent_name, _, child = module_name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child,
-                _quant_linear(form, biases.get(module_name), dense))
+        _set_module(model, module_name, _quant_linear(form, weights.biases.get(module_name), dense))
     embedding = model.get_input_embeddings()
-    source = model.get_output_embeddings() if tied else _quant_linear(embedding_form, None, dense)
+    source = model.get_output_embeddings() if tied else _quant_linear(weights.embedding, None, dense)
     model.set_input_embeddings(GatheredEmbedding(source, _embedding_scale(embedding), embedding.padding_idx, tied=tied))
     fuse_shared_inputs(model)
     _rebuild_rotary(model)

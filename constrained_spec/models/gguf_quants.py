@@ -341,6 +341,23 @@ def unpack(
         QuantShapeError: ``K`` is not a multiple of the type's block size, or ``raw`` has the wrong byte count.
         QuantValueError: a block's fp16 scale or min is inf or NaN (a corrupt file).
     """
+    qt, dims, data = _checked_bytes(raw, qtype, shape, name)
+    k = dims[-1]
+    n = dims[0] if len(dims) == 2 else 1
+    if qt == QT.F32:
+        return data.view(np.float32).reshape(dims)
+    if qt == QT.F16:
+        return data.view(np.float16).astype(np.float32).reshape(dims)
+    if qt == QT.BF16:
+        # Same as gguf-py: the 16 bits become the high half of a float32.
+        return (data.view(np.int16).astype(np.int32) << 16).view(np.float32).reshape(dims)
+    return _unpack_blocks(data, qt, n, k, name, dims)
+
+
+def _checked_bytes(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...],
+                   name: str) -> tuple[QT, tuple[int, ...], np.ndarray]:
+    """``unpack``'s checks: a supported type, a shape of whole blocks, the right byte count;
+    returns the type, the shape and the bytes as a flat uint8 array."""
     try:
         qt = QT(int(qtype))
     except (ValueError, TypeError):
@@ -365,15 +382,13 @@ def unpack(
             f"Tensor {name!r} ({qt.name}, shape {dims}): expected {expected} bytes "
             f"({n} rows x {k // block} blocks x {type_size} bytes), got {data.size}."
         )
+    return qt, dims, data
 
-    if qt == QT.F32:
-        return data.view(np.float32).reshape(dims)
-    if qt == QT.F16:
-        return data.view(np.float16).astype(np.float32).reshape(dims)
-    if qt == QT.BF16:
-        # Same as gguf-py: the 16 bits become the high half of a float32.
-        return (data.view(np.int16).astype(np.int32) << 16).view(np.float32).reshape(dims)
 
+def _unpack_blocks(data: np.ndarray, qt: QT, n: int, k: int, name: str,
+                   dims: tuple[int, ...]) -> FourBit | EightBit:
+    """A quantized tensor's checked bytes as its form, decoded in chunks of rows."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qt]
     decode, group, has_min = _DECODERS[qt]
     blocks = data.reshape(n, k // block, type_size)
     q = np.empty((n, k), dtype=np.uint8 if qt in FOUR_BIT_TYPES else np.int8)

