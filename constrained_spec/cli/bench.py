@@ -30,7 +30,7 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 JsonOpt = typer.Option(None, "--json", help="Also write the figures to this file.")
-PrecisionsOpt = typer.Option(None, "--precision", help="One precision, or several side by side in one run: float32,native or native-exact,native (the embedded model).")
+PrecisionsOpt = typer.Option(None, "--precision", help="One precision, or several side by side in one run: float32,int8,int4,native (native: a GGUF file's own; native-exact: the embedded model's).")
 DocumentsOpt = typer.Option(None, "--documents", help="JSONL of {id, text, expected?}; default: the 64 people documents shipped in the package.")
 LimitOpt = typer.Option(None, "--limit", help="Only the first N prompts or documents.")
 LlamaCppOpt = typer.Option(True, "--llama-cpp/--no-llama-cpp", help="Include llama.cpp on the model's GGUF file as reference rows, with and without its grammar (where llama-cpp-python is installed).")
@@ -328,7 +328,7 @@ def batch_cmd(
     sizes: str = typer.Argument(..., help="Comma-separated batch sizes, e.g. 1,4,16,64."),
     model: Optional[str] = ModelOpt,
     dtype: Optional[str] = DtypeOpt,
-    precision: Optional[str] = typer.Option(None, "--precision", help="native, float32 or bfloat16 (default: the model's)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="native, float32, bfloat16, int8 or int4 (default: the model's)."),
     documents: Optional[Path] = DocumentsOpt,
     limit: Optional[int] = LimitOpt,
     json_out: Optional[Path] = JsonOpt,

@@ -48,7 +48,7 @@ StreamOpt = typer.Option(False, "--stream", help="Print the text as tokens are a
 ProfileOpt = typer.Option(None, "--profile", help="Hardware profile for K_max: cpu, a100-80gb, h100-80gb, h100-80gb-x8, gb200-nvl72 (default: $CONSTRAINED_SPEC_PROFILE or detected).")
 AdaptiveOpt = typer.Option(True, "--adaptive/--no-adaptive", help="Choose K per step from measured acceptance and cost (--no-adaptive: K = k-max every step).")
 DtypeOpt = typer.Option(None, "--dtype", help="Model dtype, e.g. float32 or bfloat16 (default: float32 on CPU, bfloat16 on GPU).")
-PrecisionOpt = typer.Option(None, "--precision", help="native (the embedded GGUF's 4-bit layers on the int4 kernel; the CPU default), float32 or bfloat16 (the GPU default).")
+PrecisionOpt = typer.Option(None, "--precision", help="native (a GGUF file's weights as stored, on the CPU kernels; the CPU default), float32, bfloat16 (the GPU default), or int8 / int4 (a float checkpoint quantized at load).")
 WhitespaceOpt = typer.Option("canonical", "--whitespace", help="JSON layout: canonical (json.dumps style), flexible, compact, or a whitespace regex.")
 LenientOpt = typer.Option(False, "--lenient", help="llguidance: relax keywords it cannot enforce (listed with --stats); the output is still validated.")
 PromptOpt = typer.Option(None, "--prompt", "-p", help="The prompt; read from standard input when omitted.")
