@@ -141,6 +141,42 @@ def test_the_float32_model_of_a_file_is_verified_exactly_with_its_own_file_as_th
     assert text == base and stats.drafted > 0
 
 
+def test_gemmas_fused_norms_give_the_unfused_norms_bits(tiny_files):
+    """Gemma's norms run as one kernel call (``models.invariant.fused_offset_rms_norm``): the same
+    logits, bit for bit, as the invariant norm's separate ops, over a prompt pass and one-token
+    steps after it."""
+    import types
+
+    from constrained_spec.models import layer_kernels
+
+    if not layer_kernels.enabled():
+        pytest.skip("the layer kernels do not build here")
+    model = load_model(str(tiny_files["gemma3"])).model
+    ids = list(range(5, 45))
+
+    def logits():
+        from constrained_spec.decoding.growing_cache import growing_cache
+
+        cache = growing_cache(model.config.num_hidden_layers)
+        with torch.no_grad():
+            first = model(input_ids=torch.tensor([ids[:30]]), cache=cache, use_cache=True).logits[0]
+            later = [model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0] for t in ids[30:]]
+        return torch.cat([first, *later])
+
+    fused = logits()
+    norms = [m for m in model.modules() if type(m).__name__ == "Gemma3RMSNorm"]
+    assert norms and all(m.forward.__func__.__name__ == "fused_offset_rms_norm" for m in norms)
+    try:
+        for m in norms:
+            m.forward = types.MethodType(lambda self, x: type(self).forward(self, x), m)
+        assert torch.equal(logits(), fused)
+    finally:
+        from constrained_spec.models.invariant import fused_offset_rms_norm
+
+        for m in norms:
+            m.forward = types.MethodType(fused_offset_rms_norm, m)
+
+
 def _resident(model) -> int:
     held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     return sum(held.values())

@@ -206,6 +206,18 @@ def invariant_offset_rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(_variance(self, x) + self.eps)
 
 
+def fused_offset_rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's whole norm forward as one ``layer_kernels`` call where it computes the same bits:
+    float32 rows, no prompt rows among them (those take the stock mean), the kernels built. The
+    kernel's ``w * (x * (1 / sqrt(ms + eps)))`` is Gemma's ``(x * rsqrt(ms + eps)) * (1 + w)``
+    with the same mean of squares and ``1 + w`` added once at install (a product's operands
+    commute exactly; torch's CPU rsqrt is 1 / sqrt): tested bit for bit. Why: about a hundred
+    norms a step cost a quarter of a one-token step as four small ops each."""
+    if x.dtype == torch.float32 and not (self.rows is not None and self.rows.segments) and layer_kernels.usable(x):
+        return torch.ops.constrained_spec.add_rms_norm(x.contiguous(), None, self.offset_weight, self.eps)[1]
+    return type(self).forward(self, x)
+
+
 def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                         **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -473,6 +485,8 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
                 module.forward = types.MethodType(invariant_rms_norm, module)
             elif callable(getattr(module, "_norm", None)) and hasattr(module, "eps"):  # Gemma's: normed x * (1 + weight)
                 module._norm = types.MethodType(invariant_offset_rms_norm, module)
+                module.offset_weight = (1.0 + module.weight.detach().float()).contiguous()
+                module.forward = types.MethodType(fused_offset_rms_norm, module)
             else:
                 raise TypeError(f"{type(module).__name__} is an RMSNorm of a form make_batch_invariant does not know")
         elif type(module) is nn.Linear and (bucket_linears or (on_cpu and module is output)):
