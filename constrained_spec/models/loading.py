@@ -317,12 +317,7 @@ def load_model(
         if precision in QUANTIZED_PRECISIONS:
             return _load_quantized(name_or_path, precision, device, config)
         dtype = precision
-    if isinstance(dtype, str):
-        if not hasattr(torch, dtype):
-            raise ModelLoadError(f"Invalid dtype: expected a torch dtype name like 'float32', got {dtype!r}.")
-        dtype = getattr(torch, dtype)
-    if dtype is None:
-        dtype = default_dtype(device)
+    dtype = _checked_dtype(dtype, device)
     key = (str(name_or_path), str(dtype), str(device), config.cuda_graphs)
     if key in _LOADED:
         return _LOADED[key]
@@ -359,6 +354,15 @@ def _load_quantized(name_or_path: str | None, precision: str, device: str | torc
     warm_up(handle)
     _LOADED[key] = handle
     return handle
+
+
+def _checked_dtype(dtype: torch.dtype | str | None, device: str | torch.device | None) -> torch.dtype:
+    """``dtype`` as a torch dtype (a name checked), or the device's default."""
+    if isinstance(dtype, str):
+        if not hasattr(torch, dtype):
+            raise ModelLoadError(f"Invalid dtype: expected a torch dtype name like 'float32', got {dtype!r}.")
+        return getattr(torch, dtype)
+    return dtype if dtype is not None else default_dtype(device)
 
 
 def _checked_precision(name_or_path: str | None, precision: str | None, dtype: torch.dtype | str | None,
