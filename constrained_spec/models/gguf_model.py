@@ -90,13 +90,11 @@ def metadata_folder(path: Path) -> Path:
     return folder
 
 
-def gguf_architecture(path: Path) -> str:
-    """The file's ``general.architecture`` (gguf-py's name, e.g. "llama", "gemma3")."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get("general.architecture")
+def gguf_architecture(reader: Any) -> str:
+    """The ``general.architecture`` of an open ``GGUFReader`` (gguf-py's name, e.g. "llama", "gemma3")."""
+    field = reader.fields.get("general.architecture")
     if field is None:
-        raise ModelLoadError(f"{str(path)!r} has no general.architecture: not a model GGUF file.")
+        raise ModelLoadError("The GGUF file has no general.architecture: not a model file.")
     return bytes(field.parts[field.data[0]]).decode()
 
 
@@ -158,7 +156,7 @@ def _quant_linear(form: Any, bias: torch.Tensor | None, dense: bool = False) -> 
     return QuantLinear.dense(torch.from_numpy(np.ascontiguousarray(form, dtype=np.float32)), bias=bias)
 
 
-def _embedding_scale(module: nn.Module) -> float | None:
+def embedding_scale(module: nn.Module) -> float | None:
     """The factor an architecture's embedding multiplies its rows by (transformers' scaled embeddings)."""
     scale = getattr(module, "scalar_embed_scale", None)
     return None if scale is None or scale == 1.0 else float(scale)
@@ -185,10 +183,8 @@ def _rebuild_rotary(model: nn.Module) -> None:
     device: build those modules again on the CPU from their config."""
     for name, module in list(model.named_modules()):
         if "Rotary" in type(module).__name__ and any(b.is_meta for b in module.buffers()):
-            parent_name, _, child = name.rpartition(".")
             with torch.device("cpu"):
-                fresh = type(module)(config=module.config)
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, fresh)
+                set_module(model, name, type(module)(config=module.config))
 
 
 class FileWeights(NamedTuple):
@@ -248,7 +244,7 @@ def build_native_model(path: Path, hf_config: Any, dense: bool = False) -> nn.Mo
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     reader = GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[reader.fields["general.architecture"].data[0]]).decode()
+    arch = gguf_architecture(reader)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     weights = read_weights(reader, model, TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict()))
@@ -258,10 +254,10 @@ def build_native_model(path: Path, hf_config: Any, dense: bool = False) -> nn.Mo
     tied = output_name not in weights.linears
     linears = {**weights.linears, output_name: weights.embedding} if tied else weights.linears
     for module_name, form in linears.items():
-        _set_module(model, module_name, _quant_linear(form, weights.biases.get(module_name), dense))
+        set_module(model, module_name, _quant_linear(form, weights.biases.get(module_name), dense))
     embedding = model.get_input_embeddings()
     source = model.get_output_embeddings() if tied else _quant_linear(weights.embedding, None, dense)
-    model.set_input_embeddings(GatheredEmbedding(source, _embedding_scale(embedding), embedding.padding_idx, tied=tied))
+    model.set_input_embeddings(GatheredEmbedding(source, embedding_scale(embedding), embedding.padding_idx, tied=tied))
     fuse_shared_inputs(model)
     _rebuild_rotary(model)
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -314,7 +310,8 @@ def fuse_shared_inputs(model: nn.Module) -> int:
     return fused
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at the dotted path ``name`` of ``model``, in place of what is there."""
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
@@ -382,20 +379,18 @@ def load_packed(path: Path, hf_config: Any) -> nn.Module:
         built[name] = QuantLinear(spec["kind"], buffers, spec["in_features"], [tuple(p) for p in spec["parts"]],
                                   tensors.get(f"{name}.bias"))
         if name not in fused_names and not name.endswith(".table"):
-            _set_module(model, name, built[name])
+            set_module(model, name, built[name])
     for group in structure["shared"]:
         call = SharedInputCall(built[group["fused"]], group["sizes"])
         for i, child in enumerate(group["names"]):
-            _set_module(model, f"{group['parent']}.{child}", SharedInputPart(call, i))
+            set_module(model, f"{group['parent']}.{child}", SharedInputPart(call, i))
     emb = structure["embedding"]
-    embedding = model.get_input_embeddings()
     model.set_input_embeddings(GatheredEmbedding(built[emb["source"]], emb["scale"], emb["padding_idx"],
                                                  tied=emb["tied"]))
     taken = {f"{n}.{b}" for n, spec in structure["linears"].items() for b in spec["buffers"]}
     for name, tensor in tensors.items():
         if name not in taken:
             _set_tensor(model, name, tensor)
-    del embedding
     _rebuild_rotary(model)
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:

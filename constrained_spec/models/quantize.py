@@ -62,18 +62,16 @@ def _layer(linear: nn.Linear, precision: str) -> nn.Module:
     bias = None if linear.bias is None else linear.bias.detach().to(torch.float32)
     if precision == "int4":
         form = quantize_four_bit(linear.weight)
-        layer = QuantLinear.four_bit(form.q[:, :k], form.scale, form.min, bias=bias)
-    else:
-        form8 = quantize_eight_bit(linear.weight)
-        layer = QuantLinear.eight_bit(form8.q[:, :k], form8.scale, None, bias=bias)
-    return layer
+        return QuantLinear.four_bit(form.q[:, :k], form.scale, form.min, bias=bias)
+    form8 = quantize_eight_bit(linear.weight)
+    return QuantLinear.eight_bit(form8.q[:, :k], form8.scale, None, bias=bias)
 
 
 def quantize_model(model: Any, precision: str) -> Any:
     """Replace every ``nn.Linear`` of ``model``'s decoder by a ``QuantLinear`` at ``precision``
     ("int8" or "int4") and its output projection by an int8 one (a tied embedding then reads its
     rows from it), q/k/v and gate/up run as one call each; in place."""
-    from .gguf_model import GatheredEmbedding, _set_module, fuse_shared_inputs
+    from .gguf_model import GatheredEmbedding, embedding_scale, set_module, fuse_shared_inputs
 
     if precision not in QUANTIZED_PRECISIONS:
         raise ValueError(f"Unknown quantized precision {precision!r}: use one of {QUANTIZED_PRECISIONS}.")
@@ -82,10 +80,9 @@ def quantize_model(model: Any, precision: str) -> Any:
     tied = output is not None and output.weight is embedding.weight
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
-            _set_module(model, name, _layer(module, "int8" if module is output else precision))
+            set_module(model, name, _layer(module, "int8" if module is output else precision))
     if tied:
-        scale = getattr(embedding, "scalar_embed_scale", None)
-        model.set_input_embeddings(GatheredEmbedding(model.get_output_embeddings(), None if scale in (None, 1.0) else
-                                                     float(scale), embedding.padding_idx))
+        model.set_input_embeddings(GatheredEmbedding(model.get_output_embeddings(), embedding_scale(embedding),
+                                                     embedding.padding_idx))
     fuse_shared_inputs(model)
     return model
