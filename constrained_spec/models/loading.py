@@ -222,11 +222,13 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
         precision, native = "float32", False
     on_cpu = device is None or torch.device(device).type == "cpu"
     if native or (precision == "float32" and on_cpu and hf_config.model_type in NATIVE_ARCHITECTURES):
+        from .gguf_decode import install_gguf_decode
         from .invariant import make_batch_invariant
 
         # float32 on the CPU: the file's weights dequantized exactly, on the same batch-invariant
         # forward (a draft of the same file at native precision then verifies exactly).
         model = make_batch_invariant(native_model(path, hf_config, folder, dense=not native))
+        install_gguf_decode(model)
         name = f"{path.stem} ({precision})"
     else:
         from transformers.utils import logging as hf_logging
