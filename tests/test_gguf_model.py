@@ -232,3 +232,30 @@ def test_gemma_file_by_path_end_to_end():
     base = generate_json(handle, schema, prompt, drafter="none", max_new_tokens=64)
     assert set(base) == {"name", "age"} and isinstance(base["age"], int)
     assert generate_json(handle, schema, prompt, drafter="auto", max_new_tokens=64) == base
+
+
+def test_a_draft_head_trains_on_a_gguf_target_and_drafts_exactly(tiny_files, tmp_path):
+    """``train_head`` on a GGUF model: the head's projection starts from the packed output
+    matrix's rows (gathered, exactly as the file's blocks dequantize), training runs over the
+    native forward's features, and the saved head drafts with target-only's output."""
+    from constrained_spec.constraint import compile_constraint
+    from constrained_spec.drafters.head import load_head
+    from constrained_spec.pipelines.train_drafter import _init_lm_head, train_head
+
+    handle = load_model(str(tiny_files["llama"]))
+    pattern = r"(yes|no|maybe), [a-z]{2,12} [0-9]{1,6}"
+    compiled = compile_constraint(pattern, handle.vocabulary, kind="regex")
+    prompts = ["Is the sky green? ", "Answer: ", "Is water wet? ", "Say a word: "]
+    items = [(handle.tokenizer(p, add_special_tokens=False)["input_ids"], compiled) for p in prompts]
+    report = train_head(handle.model, handle.vocabulary, items, tmp_path / "head", steps=4, held_out=0.0,
+                        draft_vocab=64, max_new_tokens=16, seed=0)
+    assert report.steps == 4
+    head = load_head(tmp_path / "head", handle.model, handle.vocabulary.fingerprint)
+    output = handle.model.get_output_embeddings()
+    fresh = type(head)(head.config, handle.model.get_input_embeddings())
+    _init_lm_head(fresh, handle.model)
+    assert torch.equal(fresh.lm_head.weight, output.gather_rows(head.vocab_ids))
+    base = generate_regex(handle, pattern, prompts[0], drafter="none", max_new_tokens=32)
+    text, stats = generate_regex(handle, pattern, prompts[0], drafter="head", draft=str(tmp_path / "head"),
+                                 max_new_tokens=32, return_stats=True)
+    assert text == base and stats.drafted > 0

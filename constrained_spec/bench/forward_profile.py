@@ -13,7 +13,7 @@ figure to trust), then once more with forward hooks that time each part of the m
   dispatch).
 Hooks cost a few microseconds each, so each part's share is taken from the hooked run and
 applied to the plain time. The native model's decode and verify passes take a flat path that no
-module hook sees (``models.native_decode``): its plain time is measured as decoding pays it, and
+module hook sees (``models.native_decode``, ``models.gguf_decode``): its plain time is measured as decoding pays it, and
 the hooked run goes through transformers' forward, whose shares are then those of the same ops.
 
 Beside them: the part of the time spent in dtype conversions and copies (torch's profiler,
@@ -64,7 +64,8 @@ class ForwardProfile:
 
 def _is_linear(module: nn.Module) -> bool:
     name = type(module).__name__
-    return isinstance(module, nn.Linear) or name in ("Int4Linear", "Int4Part", "BucketedLinear")
+    return isinstance(module, nn.Linear) or name in ("Int4Linear", "Int4Part", "BucketedLinear", "QuantLinear",
+                                                     "SharedInputPart")
 
 
 class _PartTimer:
@@ -169,7 +170,8 @@ def profile_forward(handle: Any, precision: str, ks: Sequence[int] = DEFAULT_KS,
             verify(x)
             plain.append((time.perf_counter() - t0) * 1000)
         timer = _PartTimer(model)
-        flat = getattr(getattr(model, "model", None), "native_decode", None)
+        stack = getattr(model, "model", None)
+        flat = getattr(stack, "native_decode", None) or getattr(stack, "gguf_decode", None)
         if flat is not None:  # hooks see modules: the hooked run takes transformers' forward
             flat.enabled = False
         try:

@@ -238,7 +238,7 @@ def _profile(*, model: Optional[str], dtype: Optional[str], precision: Optional[
     rows = []
     for p in precisions:
         handle = resolve_model(_model_arg(model, dtype, p))
-        rows += profile_forward(handle, p or str(next(handle.model.parameters()).dtype).removeprefix("torch."), ks)
+        rows += profile_forward(handle, p or handle.precision, ks)
     table = Table(title=f"Where a verify pass's time goes (after a {rows[0].context}-token prompt; ms per forward, "
                         "median; each part's share timed by hooks)")
     for header in ("precision", "k", "total ms", "ms/token", *PARTS, "conversions", "weights MB", "KV MB"):

@@ -230,7 +230,9 @@ def load_head(directory: str | Path, target: Any, tokenizer_fingerprint: str, *,
         head.load_state_dict(state)
     except RuntimeError as e:
         raise ModelLoadError(f"Invalid draft head {str(path)!r}: its weights do not fit its config ({e}).") from None
-    dtype = target.get_input_embeddings().weight.dtype
+    embedding = target.get_input_embeddings()
+    # A GGUF model's embedding gathers rows from a packed matrix: its dtype without dequantizing it.
+    dtype = getattr(embedding, "dtype", None) or embedding.weight.dtype
     head = head.to(torch.float64 if dtype == torch.float64 else torch.float32).eval()
     if int8_kernel is None:
         int8_kernel = head.dtype == torch.float32 and int8_kernel_available()

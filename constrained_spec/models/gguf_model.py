@@ -115,6 +115,11 @@ class GatheredEmbedding(nn.Module):
         self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The rows' dtype (read this, not ``weight.dtype``, which dequantizes the whole matrix)."""
+        return torch.float32
+
+    @property
     def weight(self) -> torch.Tensor:
         """The whole dequantized matrix (for code that reads an embedding's weight: slow, large)."""
         return self.source[0].gather_rows(torch.arange(self.num_embeddings))

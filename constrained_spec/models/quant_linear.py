@@ -45,16 +45,11 @@ DENSE_ROWS = 8
 ROW_UNIT = {"four_bit": 2 * q4_vnni.COLS, "eight_bit": q8_output.COLS, "dense": 1}
 KINDS = tuple(ROW_UNIT)
 
-_warned = False
-
-
 def _fallback_warning(kind: str) -> None:
-    """Say once a process that the quantized layers run dense (slower, more memory)."""
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(f"The VNNI kernels do not run on this machine: {kind} layers are dequantized to float32 "
-                      "and run as dense matmuls (exact weights, more memory and time).", stacklevel=3)
+    """Say that the quantized layers run dense (slower, more memory): once per kind and place of
+    the load, by the warnings module's own default filter, not a flag of ours."""
+    warnings.warn(f"The VNNI kernels do not run on this machine: {kind} layers are dequantized to float32 "
+                  "and run as dense matmuls (exact weights, more memory and time).", stacklevel=3)
 
 
 def _four_bit_kernel() -> bool:

@@ -390,11 +390,15 @@ def _init_lm_head(head: DraftHead, target: Any) -> None:
     """Start the head's projection from the target's output rows of ``V_d`` (its final hidden
     state is trained to play the target's, so those rows are the right start)."""
     out = target.get_output_embeddings()
-    weight = getattr(out, "weight", None)
-    if weight is None or not weight.dtype.is_floating_point or weight.shape[-1] != head.config.hidden_size:
-        weight = target.get_input_embeddings().weight  # a tied model's output rows
     with torch.no_grad():
-        head.lm_head.weight.copy_(weight[head.vocab_ids].to(head.lm_head.weight.dtype))
+        if hasattr(out, "gather_rows"):  # a packed matrix (a GGUF model's): only these rows, dequantized exactly
+            rows = out.gather_rows(torch.as_tensor(head.vocab_ids, dtype=torch.int64))
+        else:
+            weight = getattr(out, "weight", None)
+            if weight is None or not weight.dtype.is_floating_point or weight.shape[-1] != head.config.hidden_size:
+                weight = target.get_input_embeddings().weight  # a tied model's output rows
+            rows = weight[head.vocab_ids]
+        head.lm_head.weight.copy_(rows.to(head.lm_head.weight.dtype))
 
 
 def _fingerprint(items: Sequence[tuple[list[int], Any]], options: dict[str, Any]) -> str:
