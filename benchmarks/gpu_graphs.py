@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from constrained_spec.constraint import compile_constraint  # noqa: E402
 from constrained_spec.decoding import FixedK, decode  # noqa: E402
-from constrained_spec.decoding.growing_cache import growing_cache  # noqa: E402
+from constrained_spec.models.growing_cache import growing_cache  # noqa: E402
 from constrained_spec.drafters import GrammarDrafter  # noqa: E402
 from constrained_spec.models.cuda_graphs import install_cuda_graphs  # noqa: E402
 from constrained_spec.models.invariant import make_batch_invariant  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 from constrained_spec.constraint import compile_constraint
 from constrained_spec.decoding import FixedK, decode
-from constrained_spec.decoding.growing_cache import growing_cache
+from constrained_spec.models.growing_cache import growing_cache
 from constrained_spec.drafters import ModelDrafter
 from constrained_spec.models.cuda_graphs import ROW_BUCKETS, install_cuda_graphs, key_bucket, row_bucket
 from constrained_spec.models.invariant import make_batch_invariant

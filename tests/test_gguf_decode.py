@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from constrained_spec import load_model
-from constrained_spec.decoding.growing_cache import growing_cache
+from constrained_spec.models.growing_cache import growing_cache
 from constrained_spec.models import layer_kernels, q4_vnni
 from constrained_spec.models.gguf_model import metadata_location
 from tests.test_gguf_model import MIXES, SHAPE, _vocab

@@ -155,7 +155,7 @@ def test_gemmas_fused_norms_give_the_unfused_norms_bits(tiny_files):
     ids = list(range(5, 45))
 
     def logits():
-        from constrained_spec.decoding.growing_cache import growing_cache
+        from constrained_spec.models.growing_cache import growing_cache
 
         cache = growing_cache(model.config.num_hidden_layers)
         with torch.no_grad():

@@ -79,7 +79,7 @@ def test_growing_cache_gives_dynamic_cache_bits_and_grows_by_doubling():
     """A batch-invariant model with the decoder's cache (float64 copies in doubling buffers)
     computes the same bits as with transformers' DynamicCache, through a prompt pass, steps of
     several tokens and rollbacks; the buffers grow by doubling and a rollback only shortens."""
-    from constrained_spec.decoding.growing_cache import INITIAL_CAPACITY, growing_cache
+    from constrained_spec.models.growing_cache import INITIAL_CAPACITY, growing_cache
     from constrained_spec.models.invariant import make_batch_invariant
 
     model = make_batch_invariant(tiny_llama(64, seed=5, dtype=torch.float32, context=1024))

@@ -137,7 +137,7 @@ def test_folding_query_heads_into_key_heads_changes_no_bit(batch, float64_attent
 
 def test_the_caches_keep_long_rows_in_float32():
     from constrained_spec.batching.cache import RowCache
-    from constrained_spec.decoding.growing_cache import GrowingLayer
+    from constrained_spec.models.growing_cache import GrowingLayer
 
     layer = GrowingLayer(torch.float64)
     x = torch.randn(1, KV_HEADS, 300, DIM)
@@ -169,7 +169,7 @@ def test_the_caches_keep_long_rows_in_float32():
 
 def test_threshold_is_read_at_call_time(monkeypatch):
     """Tests elsewhere move ``LONG_CONTEXT`` into a short prompt; the caches and attention follow."""
-    from constrained_spec.decoding.growing_cache import GrowingLayer
+    from constrained_spec.models.growing_cache import GrowingLayer
 
     monkeypatch.setattr(invariant, "LONG_CONTEXT", 40)
     layer = GrowingLayer(torch.float64)

@@ -292,7 +292,7 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
     the flat forward runs its layers: the TorchScript stack (before ``LONG_CONTEXT``, or at any
     length with the attention kernel; checked that it ran) and the Python loop. With the layer
     kernels (``models.layer_kernels``) and with torch's ops in their place."""
-    from constrained_spec.decoding.growing_cache import growing_cache
+    from constrained_spec.models.growing_cache import growing_cache
     from constrained_spec.models import attention_kernel, invariant, layer_kernels, native_decode
 
     if layer_ops == "torch":

@@ -120,7 +120,7 @@ def test_native_forwards_give_the_same_bits_at_any_thread_count(monkeypatch):
     among them, run at the governor's most threads whatever it chose), decode and verify passes
     give the same logits at one thread as at two. (Without ``at_dense_threads`` the 300-row
     prompt's logits differed here, on an Intel Xeon with AMX.)"""
-    from constrained_spec.decoding.growing_cache import growing_cache
+    from constrained_spec.models.growing_cache import growing_cache
     from constrained_spec.models.int4 import MIN_DENSE_ROWS, prompt_matmul_dtype
     from constrained_spec.models.loading import load_model
 

@@ -143,7 +143,7 @@ def profile_forward(handle: Any, precision: str, ks: Sequence[int] = DEFAULT_KS,
                     reps: int = 8, seed: int = 0) -> list[ForwardProfile]:
     """Profile verify passes of each k in ``ks`` after a ``context``-token prompt (random tokens:
     the cost does not depend on which) on ``handle``'s model; see the module docstring."""
-    from ..decoding.growing_cache import growing_cache
+    from ..models.growing_cache import growing_cache
 
     model = handle.model
     invariant = bool(getattr(model, "batch_invariant", False))

@@ -17,7 +17,7 @@ from ..drafters import Draft, Drafter
 from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
 from ..models.invariant import cache_dtype
 from ..models.threads import thread_governor
-from .growing_cache import growing_cache
+from ..models.growing_cache import growing_cache
 from .kpolicy import FixedK, KPolicy
 from .logits import allowed_subset, forward_logits, supports_subsets
 from .prefix import Chunk, PrefixCache, load_blocks, prefill_alone, prompt_chunks, store_blocks

@@ -8,6 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from ..constraint import Matcher, State, apply_mask
+from ..models.growing_cache import growing_cache
+from ..models.invariant import cache_dtype
 from .base import Draft, Drafter, DraftKind, draw_masked
 
 
@@ -27,12 +29,18 @@ class ModelDrafter(Drafter):
         self.temperature = temperature
         self.generator = generator
         self.device = next(model.parameters()).device
-        self.cache: DynamicCache | None = None
+        self.cache: Any = None  # a transformers Cache
         self.cached_ids: list[int] = []
 
     def reset(self, prompt_ids: list[int]) -> None:
-        """Start a fresh cache for a new request."""
-        self.cache = DynamicCache(config=self.model.config)
+        """Start a fresh cache for a new request: a batch-invariant draft model gets the target's
+        kind (``models.growing_cache``), whose layers its flat forwards write (a native model's
+        scripted loop runs only on such a cache); any other model transformers' own."""
+        config = self.model.config
+        if getattr(self.model, "batch_invariant", False):
+            self.cache = growing_cache(config.num_hidden_layers, cache_dtype(config, self.device))
+        else:
+            self.cache = DynamicCache(config=config)
         self.cached_ids = []
 
     def set_generator(self, generator: torch.Generator | None) -> None:

@@ -244,7 +244,7 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
                     <= past + start + torch.arange(rows, device=query.device)[:, None])[None, None]
         else:
             mask = None
-        # A request's cache may hold float64 copies (decoding.growing_cache): back to the
+        # A request's cache may hold float64 copies (models.growing_cache): back to the
         # query's dtype, exactly, for the stock kernel.
         out, _ = sdpa_attention_forward(module, query[:, :, start : start + rows], key[:, :, :keys].to(query.dtype),
                                         value[:, :, :keys].to(query.dtype), mask, dropout=dropout, scaling=scale,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..models import invariant
+from . import invariant
 
 #: Positions a layer's buffer holds at first (a prompt longer than this sizes it).
 INITIAL_CAPACITY = 256
