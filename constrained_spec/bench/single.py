@@ -245,11 +245,12 @@ def llama_cpp_rows(gguf_file: Path, max_new_tokens: int) -> dict[str, Reference]
 class LlamaCppWorker:
     """The bench's end of ``bench.llama_cpp_worker``: one process, asked one request at a time."""
 
-    def __init__(self, model_path: str, n_threads: int) -> None:
+    def __init__(self, model_path: str, n_threads: int, n_ctx: int | None = None) -> None:
         from . import llama_cpp_worker
 
-        self.proc = subprocess.Popen([sys.executable, llama_cpp_worker.__file__, model_path, str(n_threads)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        # ``n_ctx``: llama.cpp's context in tokens (None: the worker's default, 4096).
+        args = [sys.executable, llama_cpp_worker.__file__, model_path, str(n_threads)] + ([str(n_ctx)] if n_ctx else [])
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         atexit.register(self.close)
         self._read()  # "ready": the model is loaded and warm
 

@@ -1,8 +1,8 @@
 """``bench`` and ``coverage``: the commands behind the harnesses of ``constrained_spec.bench``.
 
 ``constrained-spec bench WORKLOAD`` runs one harness, one subcommand each: ``single``, ``batch``,
-``serve``, ``long-prompt``, ``neighbour``, ``profile`` and ``coverage`` (also the top-level
-``coverage``). ``constrained-spec bench`` alone runs ``single``, and the flags of the older
+``serve``, ``long-prompt``, ``documents``, ``neighbour``, ``profile`` and ``coverage`` (also the
+top-level ``coverage``). ``constrained-spec bench`` alone runs ``single``, and the flags of the older
 one-command form (``bench --batch 1,4``, ``bench --serve 8``, ...) are still accepted, hidden from
 ``--help``: they reach the same harness with the same arguments, so no script breaks.
 The figures these commands print are kept in the docs (docs/benchmarks.md).
@@ -253,6 +253,37 @@ def _profile(*, model: Optional[str], dtype: Optional[str], precision: Optional[
         err.print(f"figures written to {json_out}")
 
 
+def _documents(*, model: Optional[str], limit: Optional[int], max_new_tokens: int, llama_cpp: bool,
+               json_out: Optional[Path]) -> None:
+    """Long documents, one request each: prompt speed, time to first token, whole requests (``bench.documents``)."""
+    from ..bench.documents import BUCKETS, run_documents_bench
+
+    report = run_documents_bench(model, limit=limit, max_new_tokens=max_new_tokens, llama_cpp=llama_cpp,
+                                 progress=lambda line: err.print(f"[dim]{line}[/]"))
+    tokens = report["prompt_tokens"]
+    table = Table(title=f"{report['model']}: {len(report['documents'])} package descriptions ({tokens['min']}-"
+                        f"{tokens['max']} prompt tokens, {tokens['total']} in all), one request each, cold, greedy, "
+                        f"{report['threads']} cores")
+    cols = {"config": "config", "prompt_tokens_per_second": "prompt tok/s", "first_token_s_mean": "first token s",
+            **{f"bucket {name}": name for name, _ in BUCKETS}, "whole_request_s": "whole s",
+            "output_tokens_per_second_after_first": "out tok/s after first", "field_accuracy": "fields right",
+            "identical_to_target_only": "identical", "valid": "valid"}
+    for c, header in cols.items():
+        table.add_column(header, justify="left" if c == "config" else "right", no_wrap=True)
+    for row in report["rows"]:
+        values = {**row, **{f"bucket {k}": v for k, v in row["first_token_s_by_bucket"].items()}}
+        table.add_row(*("-" if values.get(c) is None else str(values[c]) for c in cols))
+    console = Console(width=max(200, Console().width))
+    console.print(table)
+    console.print("documents: " + ", ".join(f"{d['package']} {d['version']} ({d['prompt_tokens']})"
+                                            for d in report["documents"]))
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2, default=str))
+        err.print(f"figures written to {json_out}")
+
+
 def _coverage(*, corpus: Path, sample: Optional[int], timeout_s: float, subset: Optional[list[str]],
               backend: list[str], lenient: bool, generate: int, model: Optional[str],
               json_out: Optional[Path]) -> None:
@@ -399,6 +430,22 @@ def profile_cmd(
     Example: constrained-spec bench profile --precision native
     """
     _run_guarded(lambda: _profile(model=model, dtype=dtype, precision=precision, ks_text=ks, json_out=json_out))
+
+
+@bench_app.command("documents")
+def documents_cmd(
+    model: Optional[str] = ModelOpt,
+    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N documents (the shortest)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    llama_cpp: bool = LlamaCppOpt,
+    json_out: Optional[Path] = JsonOpt,
+) -> None:
+    """Long documents (12 installed packages' descriptions, 500-4,500 prompt tokens), one request each: prompt tokens/s, time to first token and whole-request time, native against llama.cpp on the same GGUF file.
+
+    Example: constrained-spec bench documents --json documents.json
+    """
+    _run_guarded(lambda: _documents(model=model, limit=limit, max_new_tokens=max_new_tokens, llama_cpp=llama_cpp,
+                                    json_out=json_out))
 
 
 _CORPUS_HELP = "Folder of <Subset>.jsonl schemas (+ valid_instances/), e.g. ../shared/data/jsonschemabench."
