@@ -210,7 +210,7 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
     if key in _LOADED:
         return _LOADED[key]
     folder = metadata_folder(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = without_build_tables(AutoTokenizer.from_pretrained(str(folder)))
     hf_config = AutoConfig.from_pretrained(str(folder))
     native = precision == "native"
     if native and (device is not None and torch.device(device).type != "cpu"):
@@ -245,6 +245,23 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
     warm_up(handle)
     _LOADED[key] = handle
     return handle
+
+
+#: transformers' tokenizer classes that keep the vocabulary and merges they were built from as
+#: Python objects (``_vocab``, ``_merges``) and read them only while constructing their Rust tokenizer.
+_BUILD_TABLE_CLASSES = ("GemmaTokenizer", "LlamaTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer")
+
+
+def without_build_tables(tokenizer: Any) -> Any:
+    """``tokenizer`` without the Python copies of its vocabulary and merges that its class keeps
+    after construction (``_BUILD_TABLE_CLASSES``; the Rust tokenizer holds its own). Why: for a
+    262,144-token vocabulary with 514,906 merges they are about 130 MB of Python objects that
+    nothing reads again (docs/models.md, Memory)."""
+    if type(tokenizer).__name__ in _BUILD_TABLE_CLASSES and getattr(tokenizer, "_tokenizer", None) is not None:
+        for name in ("_vocab", "_merges"):
+            if isinstance(getattr(tokenizer, name, None), (dict, list)):
+                setattr(tokenizer, name, type(getattr(tokenizer, name))())
+    return tokenizer
 
 
 def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
@@ -393,7 +410,7 @@ def _load_transformers(name_or_path: str, dtype: torch.dtype, device: str | torc
 
     try:
         tokenizer = (_embedded_tokenizer(Path(name_or_path)) if name == DEFAULT_MODEL_NAME
-                     else AutoTokenizer.from_pretrained(name_or_path))
+                     else without_build_tables(AutoTokenizer.from_pretrained(name_or_path)))
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     except (OSError, ValueError) as e:
         raise ModelLoadError(
