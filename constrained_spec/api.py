@@ -92,9 +92,9 @@ def _fit(handle: ModelHandle, ids: list[int]) -> list[int]:
 class TextStream:
     """Text as the decoder accepts it; iterate to get the pieces (a step may add several tokens).
 
-    After the iteration ends: ``text`` (the whole output), ``stats`` and ``value`` (the parsed,
-    validated result). Errors (token limit, validation) are raised at the end of the iteration,
-    after every valid piece was yielded.
+    After the iteration ends: ``text`` (the whole output), ``stats`` (set also when the iteration
+    raised) and ``value`` (the parsed, validated result). Errors (token limit, validation) are
+    raised at the end of the iteration, after every valid piece was yielded.
     """
 
     def __init__(self, decoder: SpeculativeDecoder, handle: ModelHandle, finish: Callable[[str], Any]) -> None:
@@ -107,18 +107,20 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         dec, tok = self._decoder, self._handle.tokenizer
-        for _ in dec.run():
-            text = tok.decode(dec.output, skip_special_tokens=False)
-            if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-                continue
-            if len(text) > len(self.text):
-                yield text[len(self.text):]
-                self.text = text
+        try:
+            for _ in dec.run():
+                text = tok.decode(dec.output, skip_special_tokens=False)
+                if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+                    continue
+                if len(text) > len(self.text):
+                    yield text[len(self.text):]
+                    self.text = text
+        finally:  # the figures so far, also when a step raised
+            self.stats = dec.stats
         text = tok.decode(dec.output, skip_special_tokens=False)
         if len(text) > len(self.text):
             yield text[len(self.text):]
             self.text = text
-        self.stats = dec.stats
         if dec.repetition is not None:
             raise repetition_error(dec, tok)
         if not dec.finished:

@@ -73,6 +73,14 @@ def _switch(raw: str | None) -> bool:
     return _choice(raw, ("on", "off"), "'on'") != "off"
 
 
+#: How the native model's prompt rows attend: "auto" in bfloat16 where its prompt matmuls take bfloat16.
+PROMPT_ATTENTION = ("auto", "float32")
+
+
+def _prompt_attention(raw: str | None) -> str:
+    return _choice(raw, PROMPT_ATTENTION, "'auto'") or "auto"
+
+
 def _cuda_graphs(raw: str | None) -> bool:
     value = (raw or "").strip().lower()
     if value and value not in CUDA_GRAPHS_ON + CUDA_GRAPHS_OFF:
@@ -151,6 +159,11 @@ SETTINGS: tuple[Setting, ...] = (
             "The norms, rotary embedding and cache writes of batch-invariant layers on the CPU kernels "
             "(`models.layer_kernels`) where they build; `off` runs torch's ops. One choice per process: the "
             "first load's."),
+    Setting("prompt_attention", "CONSTRAINED_SPEC_PROMPT_ATTENTION", "prompt attention", _prompt_attention,
+            "`auto`, `float32`", "`auto`",
+            "How the native model's prompt rows attend: `auto` in bfloat16 where its prompt matmuls run in "
+            "bfloat16 (a CPU with AVX512_BF16 or AMX), `float32` as before (docs/extraction.md has what each "
+            "costs and changes). Read at each load."),
     Setting("cuda_graphs", "CONSTRAINED_SPEC_CUDA_GRAPHS", "CUDA graphs switch", _cuda_graphs,
             "`on`, `1`, `true`, `yes`, `off`, `0`, `false`, `no` (any case)", "`on`",
             "A batch-invariant model on a GPU replays its decode and verify forwards as CUDA graphs "
@@ -227,6 +240,8 @@ class RuntimeConfig:
     output_kernel: OutputKernel | None = None
     attention_kernel: bool = True
     layer_kernels: bool = True
+    #: "auto" (bfloat16 where the prompt matmuls take it) or "float32".
+    prompt_attention: str = "auto"
     cuda_graphs: bool = True
     #: "auto", "off" or a fixed thread count.
     threads: str | int = "auto"
@@ -248,6 +263,7 @@ class RuntimeConfig:
               f"None or one of {_quoted(OUTPUT_KERNELS)}")
         for name in ("attention_kernel", "layer_kernels", "cuda_graphs"):
             check(name, isinstance(getattr(self, name), bool), "True or False")
+        check("prompt_attention", self.prompt_attention in PROMPT_ATTENTION, f"one of {_quoted(PROMPT_ATTENTION)}")
         check("threads", self.threads in ("auto", "off") or (type(self.threads) is int and self.threads > 0),
               "'auto', 'off' or a positive thread count")
         check("cache_dir", self.cache_dir is None or isinstance(self.cache_dir, (str, os.PathLike)), "None or a folder")

@@ -167,6 +167,42 @@ def test_prompt_rows_are_multiplied_in_bfloat16_only_where_the_cpu_has_it(monkey
             int4.bfloat16_matmul_in_hardware.cache_clear()
 
 
+def test_prompt_rows_attend_in_the_prompt_matmuls_dtype_unless_float32_is_asked_for():
+    """``prompt_attention="auto"``: the native model's prompt rows attend in bfloat16 where its
+    prompt matmuls take bfloat16 (``float32``: as before); decode rows are untouched. Where the
+    CPU has bfloat16, the two settings give another prompt pass (the switch does something) and
+    the same one-token step after the same keys."""
+    from constrained_spec.config import RuntimeConfig
+    from constrained_spec.models.growing_cache import growing_cache
+    from constrained_spec.models.int4 import prompt_matmul_dtype
+
+    handles = {name: load_model(precision="native", config=RuntimeConfig(prompt_attention=name))
+               for name in ("auto", "float32")}
+    bf16 = prompt_matmul_dtype() == torch.bfloat16
+    for name, handle in handles.items():
+        attention = [m for m in handle.model.modules() if type(m).__name__.endswith("Attention")]
+        want = torch.bfloat16 if name == "auto" and bf16 else None
+        assert attention and all(getattr(m, "prompt_attention_dtype", None) == want for m in attention)
+    if not bf16:
+        return
+    prompt = torch.randint(100, 49152, (1, 300), generator=torch.Generator().manual_seed(3))
+
+    def prompt_pass(model):
+        cache = growing_cache(model.config.num_hidden_layers, torch.float64)
+        with torch.no_grad():
+            logits = model(input_ids=prompt, cache=cache, use_cache=True, prompt_rows=299, logits_to_keep=1).logits
+        return logits, cache
+
+    (auto, auto_cache), (exact, _) = (prompt_pass(h.model) for h in handles.values())
+    assert not torch.equal(auto, exact)
+    steps = []
+    with torch.no_grad():
+        for handle in handles.values():  # the same step on the same keys, one model after the other
+            steps.append(handle.model(input_ids=torch.tensor([[42]]), cache=auto_cache, use_cache=True).logits)
+            auto_cache.crop(-1)
+    assert torch.equal(steps[0], steps[1])
+
+
 def test_bad_precision_is_refused():
     with pytest.raises(ModelLoadError, match="Invalid precision"):
         load_model(precision="int3")

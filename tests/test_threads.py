@@ -51,6 +51,14 @@ def test_the_governor_gives_torch_the_cores_the_others_leave_free():
     c.others = 5.0  # more load than cores: never below one thread
     c.advance(0.3)
     assert g.update() == 1
+    c.others = 0.0
+    c.advance(0.3)
+    assert g.update() == 2
+    c.others = 2.0  # a neighbour busy through an idle gap: the stale sample is only a baseline
+    c.advance(5.0)
+    assert g.update() == 2 and applied[-1] == 2
+    c.advance(0.3)  # the neighbour still busy an interval later: seen
+    assert g.update() == 1
 
 
 def test_busy_seconds_reads_only_this_process_cores(tmp_path):

@@ -333,7 +333,8 @@ def _native_run(handle: ModelHandle, schema: JsonSchema, config: DocConfig, prom
     except ConstrainedSpecError as e:  # a token limit, a loop, a failed validation: timed, counted invalid
         value, error = None, type(e).__name__
     seconds = time.perf_counter() - t0
-    stats = stream.stats or stream._decoder.stats  # an error inside a step leaves the figures there
+    stats = stream.stats
+    assert stats is not None  # set once the iteration ran, also where it raised
     return Run(value, stream.text, error is None, stats.prompt_tokens, stats.output_tokens,
                seconds if first is None else first, seconds, stats.prefill_seconds, error)
 

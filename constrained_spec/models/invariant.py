@@ -235,6 +235,12 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     prompt_rows = sum(n for _, n in segments)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     parts = []
+    # Prompt rows in the dtype the model's prompt matmuls take (``prompt_attention_dtype``, set
+    # at load; None: the query's), the keys converted once for every chunk of the forward.
+    prompt_dtype = getattr(module, "prompt_attention_dtype", None) or query.dtype
+    if segments:
+        prompt_keys = key[:, :, : past + prompt_rows].to(prompt_dtype)
+        prompt_values = value[:, :, : past + prompt_rows].to(prompt_dtype)
     for start, rows in segments:  # each prompt chunk on its own keys (decoding.prefix)
         keys = past + start + rows
         if attention_mask is not None:
@@ -244,12 +250,12 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
                     <= past + start + torch.arange(rows, device=query.device)[:, None])[None, None]
         else:
             mask = None
-        # A request's cache may hold float64 copies (models.growing_cache): back to the
-        # query's dtype, exactly, for the stock kernel.
-        out, _ = sdpa_attention_forward(module, query[:, :, start : start + rows], key[:, :, :keys].to(query.dtype),
-                                        value[:, :, :keys].to(query.dtype), mask, dropout=dropout, scaling=scale,
-                                        **kwargs)
-        parts.append(out)
+        # A request's cache may hold float64 copies (models.growing_cache): converted exactly
+        # to the query's dtype (or rounded to the prompt dtype) for the stock kernel.
+        out, _ = sdpa_attention_forward(module, query[:, :, start : start + rows].to(prompt_dtype),
+                                        prompt_keys[:, :, :keys], prompt_values[:, :, :keys], mask, dropout=dropout,
+                                        scaling=scale, **kwargs)
+        parts.append(out.to(query.dtype))
     if prompt_rows < q_len:
         rows = q_len - prompt_rows
         # One new row at the end with no padding sees every key: nothing to mask, and masking

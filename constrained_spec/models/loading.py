@@ -157,7 +157,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
         output = pool.submit(q8_output.kernel, config.output_kernel).result() if precision == "native" else "exact"
         linears = linears_job.result()
     vnni, split = linears != "torch", linears == "vnni"
-    key = ("None", precision, str(device), linears, output)
+    key = ("None", precision, str(device), linears, output, config.prompt_attention)
     if key in _LOADED:
         return _LOADED[key]
     from transformers import LlamaForCausalLM
@@ -178,6 +178,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
         cache = "q8_output.safetensors" if output == "torch" else f"q8_output-vnni{q8_output.LAYOUT}.safetensors"
         install_q8_output(model, _default_gguf_dir() / DEFAULT_MODEL_FILE, cached / cache, output)
     make_batch_invariant(model)
+    _set_prompt_attention(model, config)
     install_native_decode(model)
     # The name tells the kernels apart: learned K costs and histories are kept by it.
     parts = ["native Q4_1", {"exact": "exact Q8_0 output", "vnni": "VNNI output", "torch": ""}[output],
@@ -188,6 +189,20 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     warm_up(handle)
     _LOADED[key] = handle
     return handle
+
+
+def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:
+    """Let the native model's prompt rows attend in bfloat16 where its prompt matmuls already take
+    bfloat16 (``models.int4.prompt_matmul_dtype``) and ``config`` does not ask for float32: the
+    same per-chunk calls, so a chunk's keys are still the same bits alone, in a batch or from
+    the prefix cache (``models.invariant``), at a fraction of float32's cost over a long
+    document (docs/extraction.md, "Measured: long documents")."""
+    from .int4 import prompt_matmul_dtype
+
+    if config.prompt_attention == "auto" and prompt_matmul_dtype() == torch.bfloat16:
+        for module in model.modules():
+            if type(module).__name__.endswith("Attention"):
+                module.prompt_attention_dtype = torch.bfloat16
 
 
 def _load_gguf(path: Path, precision: str, device: str | torch.device | None, config: RuntimeConfig) -> ModelHandle:

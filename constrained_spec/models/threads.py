@@ -37,6 +37,9 @@ from .. import config
 
 #: Seconds between two samples of the machine's load (a sample reads /proc/stat, a few microseconds).
 INTERVAL = 0.25
+#: A sample older than this many intervals describes the past, not now (the process was idle:
+#: between requests, or while a benchmark's reference ran): it is only a new baseline.
+STALE_INTERVALS = 4
 #: Free cores are rounded up from this fraction: 1.4 free cores (a neighbour busy three fifths
 #: of the time) still gives 1 thread, 1.7 gives 2.
 ROUND_UP_FROM = 0.65
@@ -104,7 +107,10 @@ class ThreadGovernor:
                 self.threads = self.max_threads
 
     def update(self) -> int:
-        """Sample the load when ``interval`` has passed and adjust the thread count; returns it."""
+        """Sample the load when ``interval`` has passed and adjust the thread count; returns it.
+        After an idle gap (``STALE_INTERVALS``) the sample is only a new baseline: a neighbour
+        busy during the gap (a benchmark's reference row) must not cost the next request its
+        threads; one busy now is seen an interval later."""
         now = self._clock()
         if self._last is not None and now - self._last[0] < self.interval:
             return self.threads
@@ -113,7 +119,8 @@ class ThreadGovernor:
             if busy is None:  # nothing to read: keep the count
                 return self.threads
             own = self._own()
-            if self._last is not None and now > self._last[0]:
+            stale = self._last is not None and now - self._last[0] > STALE_INTERVALS * self.interval
+            if self._last is not None and now > self._last[0] and not stale:
                 t0, busy0, own0 = self._last
                 self.others = max(0.0, ((busy - busy0) - (own - own0)) / (now - t0))
                 free = self.cores - self.others
