@@ -8,8 +8,6 @@ import torch
 from transformers import DynamicCache
 
 from ..constraint import Matcher, State, apply_mask
-from ..models.growing_cache import growing_cache
-from ..models.invariant import cache_dtype
 from .base import Draft, Drafter, DraftKind, draw_masked
 
 
@@ -33,14 +31,11 @@ class ModelDrafter(Drafter):
         self.cached_ids: list[int] = []
 
     def reset(self, prompt_ids: list[int]) -> None:
-        """Start a fresh cache for a new request: a batch-invariant draft model gets the target's
-        kind (``models.growing_cache``), whose layers its flat forwards write (a native model's
-        scripted loop runs only on such a cache); any other model transformers' own."""
-        config = self.model.config
-        if getattr(self.model, "batch_invariant", False):
-            self.cache = growing_cache(config.num_hidden_layers, cache_dtype(config, self.device))
-        else:
-            self.cache = DynamicCache(config=config)
+        """Start a fresh cache for a new request: the kind a batch-invariant model names
+        (``new_cache``, set by ``models.invariant.make_batch_invariant``: the decoder's, whose
+        layers a native model's scripted loop writes), else transformers' own."""
+        new_cache = getattr(self.model, "new_cache", None)
+        self.cache = new_cache() if callable(new_cache) else DynamicCache(config=self.model.config)
         self.cached_ids = []
 
     def set_generator(self, generator: torch.Generator | None) -> None:

@@ -22,7 +22,6 @@ architecture feature it does not know) is not given to it.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, List, NamedTuple, Optional
 
 import torch
@@ -32,7 +31,7 @@ from torch.nn import functional as F
 from . import attention_kernel, layer_kernels
 from . import cpu_kernels  # noqa: F401  (defines the ops the scripted loop names)
 from . import q8_output  # noqa: F401  (defines q8_mm)
-from .native_decode import _signed_sin, plain_forward
+from .native_decode import _signed_sin, plain_forward, scripted
 from .quant_linear import DENSE_ROWS, QuantLinear
 
 #: ``QuantLinear.kind`` as the scripted loop's integer.
@@ -161,21 +160,10 @@ def _gguf_stack(x: torch.Tensor, cos: List[torch.Tensor], sin: List[torch.Tensor
     return out
 
 
-_SCRIPTED: list[Any] = []
-
-
 def scripted_stack() -> Any:
-    """``_gguf_stack`` compiled by TorchScript once per process, run by the plain interpreter (no
-    fusion: each op the eager one); None where this torch can no longer script it (the forwards
-    then keep transformers' path). See ``native_decode.scripted_stack`` for why TorchScript."""
-    if not _SCRIPTED:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                _SCRIPTED.append(torch.jit.script(_gguf_stack))
-        except (AttributeError, RuntimeError, NotImplementedError):
-            _SCRIPTED.append(None)
-    return _SCRIPTED[0]
+    """``_gguf_stack`` compiled by TorchScript (``native_decode.scripted``: once per process, run
+    by the plain interpreter), or None where this torch cannot script it."""
+    return scripted(_gguf_stack)
 
 
 class NotScriptable(Exception):

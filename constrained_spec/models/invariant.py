@@ -468,7 +468,8 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
     ``model.batch_invariant = True``; the decoder then tells it which rows are prompt rows. On a
     GPU (or with ``bucket_linears=True``) its ``nn.Linear`` layers become ``BucketedLinear``;
     ``Int4Linear`` layers are invariant as they are. On the CPU the output projection always
-    becomes a ``BucketedLinear`` of ``OUTPUT_BUCKET`` rows computed as ``W @ X.T``."""
+    becomes a ``BucketedLinear`` of ``OUTPUT_BUCKET`` rows computed as ``W @ X.T``.
+    ``model.new_cache()`` then makes a KV cache of the kind its forwards expect (``_cache_factory``)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -505,4 +506,16 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
     else:  # pragma: no cover - older transformers
         model.config._attn_implementation = IMPLEMENTATION
     model.batch_invariant = True
+    model.new_cache = _cache_factory(model)
     return model
+
+
+def _cache_factory(model: Any) -> Callable[[], Any]:
+    """A maker of fresh KV caches of the kind the decoder gives this model
+    (``models.growing_cache`` in ``cache_dtype``), for other callers of its forwards (a draft
+    model's drafter): a native model's scripted loop runs only on such a cache."""
+    from .growing_cache import growing_cache
+
+    config = model.config
+    dtype = cache_dtype(config, next(model.parameters()).device)
+    return lambda: growing_cache(config.num_hidden_layers, dtype)

@@ -28,8 +28,9 @@ small op.
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 import torch
 from torch.nn import functional as F
@@ -172,25 +173,27 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
     return out
 
 
-_SCRIPTED: list[Any] = []
-
-
-def scripted_stack() -> Any:
-    """``_scripted_stack`` compiled by TorchScript, once per process (at the first forward that
-    takes it). Why: a one-row forward is some 45 small ops a layer, and Python's dispatch of them
-    was a large share of the forward. Run by the plain interpreter
+@functools.lru_cache(maxsize=None)
+def scripted(function: Callable[..., Any]) -> Any:
+    """``function`` (a layer loop) compiled by TorchScript, once per process (at the first forward
+    that takes it). Why: a one-row forward is some 45 small ops a layer, and Python's dispatch of
+    them was a large share of the forward. Run by the plain interpreter
     (``torch.jit.optimized_execution(False)``): no fusion, no rewritten graph, each op the eager
     one, so the bits are the flat loop's (tested). TorchScript is deprecated in favour of
     ``torch.compile``, whose inductor graphs were slower than eager on this CPU and may fuse
-    float ops; a torch that can no longer script it gets None, and ``run`` keeps its Python loop."""
-    if not _SCRIPTED:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                _SCRIPTED.append(torch.jit.script(_scripted_stack))
-        except (AttributeError, RuntimeError, NotImplementedError):
-            _SCRIPTED.append(None)
-    return _SCRIPTED[0]
+    float ops; a torch that can no longer script it gets None, and the forwards keep their Python
+    or transformers' path."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return torch.jit.script(function)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def scripted_stack() -> Any:
+    """``_scripted_stack`` compiled (``scripted``), or None."""
+    return scripted(_scripted_stack)
 
 
 class NativeDecode:
