@@ -150,8 +150,7 @@ def profile_forward(handle: Any, precision: str, ks: Sequence[int] = DEFAULT_KS,
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prompt = torch.randint(100, vocab, (1, context), generator=g, device=handle.device)
-    stored = cache_dtype(model.config, torch.device(handle.device)) if invariant else None
-    cache = growing_cache(model.config.num_hidden_layers, stored)  # the decoder's
+    cache = model.new_cache() if invariant else growing_cache(model.config.num_hidden_layers)  # the decoder's
     extra = {"prompt_rows": context} if invariant else {}
     model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1, **extra)
     weights = _weight_bytes(model)

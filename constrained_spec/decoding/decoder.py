@@ -15,7 +15,6 @@ import torch
 from ..constraint import Matcher, State, apply_mask
 from ..drafters import Draft, Drafter
 from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError, InvalidPromptError, ModelLoadError
-from ..models.invariant import cache_dtype
 from ..models.threads import thread_governor
 from ..models.growing_cache import growing_cache
 from .kpolicy import FixedK, KPolicy
@@ -187,11 +186,10 @@ class SpeculativeDecoder:
         self._prefilled = 0
         self.output: list[int] = []
         self.finished = False
-        # A batch-invariant model attends in float64 unless the attention kernel reads its float32
-        # keys: the cache keeps what attention reads, so a step converts its new tokens only.
-        config = self.target.config
-        self.cache = growing_cache(config.num_hidden_layers,
-                                   cache_dtype(config, self.device) if self._batch_invariant else None)
+        # A batch-invariant model names its cache's kind (``new_cache``: the dtype its attention
+        # reads, so a step converts its new tokens only); any other keeps its keys' own dtype.
+        self.cache = (self.target.new_cache() if self._batch_invariant
+                      else growing_cache(self.target.config.num_hidden_layers))
         self.last = self.prompt_ids[-1]
         self._single: dict[State, bool] = {}
         #: Per state, the ids its logits are computed over (``decoding.logits``); None: all.

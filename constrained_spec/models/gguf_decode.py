@@ -249,6 +249,8 @@ class GGUFDecode:
             activations.add(type(mlp.act_fn).__name__)
             gemma = hasattr(block, "pre_feedforward_layernorm")
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            if (q_norm is None) != (k_norm is None):
+                raise NotScriptable("a q norm without a k norm")
             window = _window(model_type, config, attn)
             if window not in self.windows:
                 self.windows.append(window)
@@ -270,8 +272,6 @@ class GGUFDecode:
                 down=_linear_weights(mlp.down_proj),
                 rope=self.rope_types.index(self.layer_types[i]) if self.rope_types != [None] else 0,
                 mask=self.windows.index(window)))
-        if (q_norm is None) != (k_norm is None):
-            raise NotScriptable("a q norm without a k norm")
         if len(activations) != 1 or not activations <= {"SiLU", "SiLUActivation", "GELUTanh"}:
             raise NotScriptable(f"activations {sorted(activations)}")
         if "GELUTanh" in activations and base.layers[0].mlp.act_fn.act.__class__.__name__ != "partial":

@@ -232,12 +232,20 @@ def _q4_1(b: np.ndarray) -> _Decoded:
     return _nibbles(b[..., 4:20]).reshape(n, -1), _f16(b, 0), _f16(b, 2)
 
 
-def _q4_k(b: np.ndarray) -> _Decoded:
+def _k_scales_and_mins(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-blocks ``b`` [n, nb, bytes]: each sub-block's scale ``d * sc`` and min
+    ``-dmin * m``, float32 [n, nb * 8]."""
     n, nb = b.shape[:2]
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scale_min(b[..., 4:16])
     scale = (d[..., None] * sc.astype(np.float32)).reshape(n, nb * 8)
     mins = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, nb * 8)
+    return scale, mins
+
+
+def _q4_k(b: np.ndarray) -> _Decoded:
+    n, nb = b.shape[:2]
+    scale, mins = _k_scales_and_mins(b)
     # 32 bytes hold sub-blocks 2j (low nibbles) and 2j+1 (high nibbles).
     q = _nibbles(b[..., 16:144].reshape(n, nb, 4, 32)).reshape(n, -1)
     return q, scale, mins
@@ -264,10 +272,7 @@ def _q5_1(b: np.ndarray) -> _Decoded:
 
 def _q5_k(b: np.ndarray) -> _Decoded:
     n, nb = b.shape[:2]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _k_scale_min(b[..., 4:16])
-    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, nb * 8)
-    mins = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, nb * 8)
+    scale, mins = _k_scales_and_mins(b)
     low = _nibbles(b[..., 48:176].reshape(n, nb, 4, 32)).reshape(n, nb, 8, 32)
     # Bit i of qh[j] is the fifth bit of element j of sub-block i.
     qh = b[..., 16:48]
