@@ -81,6 +81,18 @@ def _written_ids(folder: Path) -> list[str]:
     return ids
 
 
+def _a_complete_line_in(folder: Path) -> bool:
+    if not folder.exists():
+        return False
+    for f in folder.iterdir():
+        try:
+            if f.is_file() and not f.name.startswith(".") and b"\n" in f.read_bytes():
+                return True
+        except FileNotFoundError:  # renamed or removed while we looked
+            continue
+    return False
+
+
 def test_killed_job_resumes_with_every_id_once(local_ray, tmp_path):
     """A driver joined to the running cluster is killed once some results are written; the
     resumed run writes only the rest: 40 ids, each exactly once."""
@@ -96,7 +108,7 @@ def test_killed_job_resumes_with_every_id_once(local_ray, tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        if out.exists() and any(f.is_file() for f in out.iterdir()):
+        if _a_complete_line_in(out):  # a file can exist before its first row is flushed
             break
         time.sleep(0.2)
     killed = proc.poll() is None
@@ -110,3 +122,18 @@ def test_killed_job_resumes_with_every_id_once(local_ray, tmp_path):
     assert 0 < counts["skipped"] < 40 and counts["documents"] == 40
     assert collections.Counter(ids) == collections.Counter({d["id"]: 1 for d in docs})
     assert os.listdir(out)
+
+
+def test_resume_keeps_the_whole_lines_of_a_cut_file_and_drops_unreadable_ones(tmp_path):
+    """What a kill leaves in a JSONL output folder: a file cut mid-line keeps its whole rows (the
+    partial one is cut off, so appending stays valid), an empty file and a file with a broken
+    whole line are removed, and their documents are done again."""
+    from constrained_spec.pipelines.distributed import done_ids
+
+    (tmp_path / "cut.json").write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "va')
+    (tmp_path / "empty.json").write_bytes(b"")
+    (tmp_path / "broken.json").write_bytes(b'{"id": "d"}\n{"id": \n')
+    (tmp_path / "whole.json").write_bytes(b'{"id": 7}\n')
+    assert done_ids(tmp_path, "jsonl") == {"a", "b", "7"}
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["cut.json", "whole.json"]
+    assert (tmp_path / "cut.json").read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'

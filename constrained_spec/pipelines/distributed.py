@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidOptionError
-from .extract import DEFAULT_PROMPT_TEMPLATE
+from .extract import DEFAULT_PROMPT_TEMPLATE, cut_to_complete_lines
 
 #: Output columns, in order.
 COLUMNS = ("id", "value", "error_kind", "error_message", "stats")
@@ -138,8 +138,10 @@ def read_input(path: Path | str) -> Any:
 
 
 def done_ids(output: Path | str, fmt: str) -> set[str]:
-    """Ids already written under ``output`` (for ``--resume``); unreadable files (a write the
-    kill interrupted) are removed so their documents are done again."""
+    """Ids already written under ``output`` (for ``--resume``). A JSONL file the kill cut
+    mid-write keeps its whole lines (the partial last one is cut off); a file that cannot be
+    read at all (a Parquet file without its footer, an empty file) is removed, so its documents
+    are done again."""
     out = Path(output)
     ids: set[str] = set()
     if not out.exists():
@@ -151,11 +153,14 @@ def done_ids(output: Path | str, fmt: str) -> set[str]:
             if fmt == "parquet":
                 import pyarrow.parquet as pq
 
-                ids.update(str(i) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist())
+                found = [str(i) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
             else:
-                lines = f.read_text().splitlines()
-                ids.update(str(json.loads(line)["id"]) for line in lines if line.strip())
-        except Exception:  # a half-written file: its rows are redone
+                found = [str(json.loads(line)["id"]) for line in cut_to_complete_lines(f) if line.strip()]
+        except Exception:  # unreadable: its rows are redone
+            found = []
+        if found:
+            ids.update(found)
+        else:
             f.unlink()
     return ids
 

@@ -298,6 +298,17 @@ def _brief(stats: Any) -> dict[str, Any]:
     return {k: (round(s[k], 4) if isinstance(s[k], float) else s[k]) for k in keep}
 
 
+def cut_to_complete_lines(path: Path) -> list[bytes]:
+    """The whole lines of a JSONL file, after cutting off a trailing partial line (what a kill
+    in the middle of a write leaves) so that appending after it stays valid JSONL."""
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
+        with path.open("r+b") as fh:
+            fh.truncate(len(complete))
+    return complete.splitlines()
+
+
 class JsonlWriter:
     """Appends one JSON line per record, each with a single ``write`` call on an ``O_APPEND``
     descriptor and an fsync, so a killed run leaves whole lines only.
@@ -311,12 +322,7 @@ class JsonlWriter:
         self.path = Path(path)
         self.done_ids: set[str] = set()
         if resume and self.path.exists():
-            data = self.path.read_bytes()
-            complete = data[: data.rfind(b"\n") + 1]
-            if len(complete) < len(data):
-                with self.path.open("r+b") as fh:
-                    fh.truncate(len(complete))
-            for line in complete.splitlines():
+            for line in cut_to_complete_lines(self.path):
                 try:
                     self.done_ids.add(str(json.loads(line)["id"]))
                 except (json.JSONDecodeError, KeyError, TypeError):
