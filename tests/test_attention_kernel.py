@@ -79,6 +79,30 @@ def test_a_row_depends_on_the_keys_it_sees_in_order_not_where_they_sit():
     assert not torch.equal(got[0], got[1])  # the other row is its own
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_with_unrelated_masks_and_a_long_context_keep_their_own_bits(threads):
+    """Rows whose allowed keys are not starts of each other's (holes anywhere) each get the bits
+    of their row alone, over a context of many scoring tiles and more rows than one row tile; and
+    the one-thread and two-thread passes agree (threads split units, never a sum)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        keys, rows = 2600, 19
+        q, k, v = _qkv(9, 3, 64, rows, keys, seed=6)
+        g = torch.Generator().manual_seed(7)
+        allowed = torch.rand(rows, keys, generator=g) < 0.6
+        allowed[3] = False
+        allowed[3, keys // 2] = True  # one key only
+        got = attention_kernel.attend(q, k, v, allowed, 0.125)
+        for i in range(rows):
+            alone = attention_kernel.attend(q[:, :, i : i + 1], k, v, allowed[i : i + 1], 0.125)
+            assert torch.equal(got[:, :, i : i + 1], alone), i
+        torch.set_num_threads(3 - threads)
+        assert torch.equal(attention_kernel.attend(q, k, v, allowed, 0.125), got)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_float64_copies_of_the_keys_give_the_same_bits():
     """A cache that keeps float64 copies of float32 keys (the float64 path's cache) reads back exactly."""
     q, k, v = _qkv(9, 3, 64, 4, 100, seed=3)

@@ -7,15 +7,19 @@ float32 on padded fixed shapes, both several times slower than this kernel (see
 docs/performance.md).
 
 ``kernels/row_attention.cpp`` does, for each (batch row, key head, query row), with AVX-512:
-- the keys of a batch row transposed once ([D, keys]), so 16 keys' scores come from one FMA per
-  dimension: each score is ``q[0] k[0]``, then one FMA a dimension in order, times the scale;
+- the keys transposed 64 at a time ([D, 64], a tile that stays in the core's cache), so 16 keys'
+  scores come from one FMA per dimension: each score is ``q[0] k[0]``, then one FMA a dimension
+  in order, times the scale;
 - the allowed keys in order (the mask's row), their maximum score, weights ``exp(s - max)``
   (a Cephes polynomial, about 1 ulp) summed lane-wise by place in that sequence, then the
   weighted values key by key in that order, divided by the weights' sum.
 Every row runs the same arithmetic on the same sequence whatever rows, heads, batch rows or
 padding keys are beside it: exactly invariant, with no odds (tested: each of 21 rows equals its
 one-row pass; padded keys and other batch rows change no bit). Its error against float64 is
-that of torch's float32 attention.
+that of torch's float32 attention. Threads split whole units of each phase (a key head's tile of
+keys, a row's head, a key head's 16 dimensions), never a sum, so the bits do not depend on the
+thread count either; a decode step over a long context reads each key and value once, which is
+what bounds it (see docs/performance.md).
 
 On by default wherever it builds (AVX-512 and a compiler, ``models.cpu_kernels``);
 ``RuntimeConfig.attention_kernel`` (``CONSTRAINED_SPEC_ATTENTION_KERNEL=off``) keeps the float64

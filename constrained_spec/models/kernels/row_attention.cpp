@@ -1,7 +1,14 @@
-// Float32 attention of new query rows over their allowed keys, on AVX-512, computed row by row:
-// every (row, head) runs the same instructions in the same order over the same sequence of
-// allowed keys, whatever the other rows, heads, batch rows or padding keys are, so a row's bits
-// depend only on its query and the keys it sees (see models/attention_kernel.py).
+// Float32 attention of new query rows over their allowed keys, on AVX-512: every (row, head) runs
+// the same instructions in the same order over the same sequence of allowed keys, whatever the
+// other rows, heads, batch rows, padding keys or threads are, so a row's bits depend only on its
+// query and the keys it sees (see models/attention_kernel.py).
+//
+// A call runs in three phases, each split over threads by units whose arithmetic never depends
+// on the split: the scores (key head x 64 keys), the softmax weights (row x head), the weighted
+// values (key head x 16 dimensions x rows). Why this way: a decode step over a long context
+// reads every key and value once per layer, so the step is bound by memory; the keys are
+// transposed 64 at a time into a tile that stays in the core's cache, never into a buffer the
+// size of the cache, and the values are read once for all the rows that share their keys.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -68,17 +75,19 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
-// One key head's keys [KV, D] as kt [D, padded] (zeros past KV), blocks [b0, b1) of 16 keys.
-void transpose_keys(const View4& k, int64_t bi, int64_t hk, int64_t KV, int64_t D, int64_t padded, int64_t b0,
-                    int64_t b1, float* kt) {
-  for (int64_t blk = b0; blk < b1; ++blk) {
-    const int64_t j0 = blk * LANES;
+constexpr int TILE = 64;  // keys a scoring unit transposes and scores at once: four blocks of 16
+
+// Keys [j0, j0 + 16 nb) of one key head as tile [D, TILE] (zeros past KV).
+void transpose_tile(const View4& k, int64_t bi, int64_t hk, int64_t KV, int64_t D, int64_t j0, int64_t nb,
+                    float* tile) {
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t first = j0 + blk * LANES;
     for (int64_t c = 0; c < D / LANES; ++c) {
       __m512 r[16];
       for (int i = 0; i < LANES; ++i)
-        r[i] = j0 + i < KV ? _mm512_loadu_ps(k.at(bi, hk, j0 + i) + c * LANES) : _mm512_setzero_ps();
+        r[i] = first + i < KV ? _mm512_loadu_ps(k.at(bi, hk, first + i) + c * LANES) : _mm512_setzero_ps();
       transpose16(r);
-      for (int i = 0; i < LANES; ++i) _mm512_storeu_ps(kt + (c * LANES + i) * padded + j0, r[i]);
+      for (int i = 0; i < LANES; ++i) _mm512_storeu_ps(tile + (c * LANES + i) * TILE + blk * LANES, r[i]);
     }
   }
 }
@@ -137,40 +146,6 @@ void score_all(const float* const* qp, int nq, const float* kt, int64_t padded, 
   }
 }
 
-// The weighted values of NR rows (their sequences nested: the shorter a prefix of the longer,
-// n[0] <= n[NR - 1]) for GB heads, divided by `total`: each (row, head, dimension) one chain of
-// FMAs over its own sequence in order, whatever rows and heads share the pass.
-template <int DC, int NR, int GB>
-inline void weigh_values(const View4& v, int64_t bi, int64_t hk, const int32_t* keys, const int64_t* n,
-                         const float* const* w, const __m512* total, float* const* out) {
-  __m512 acc[NR][GB][DC];
-  for (int r = 0; r < NR; ++r)
-    for (int g = 0; g < GB; ++g)
-      for (int c = 0; c < DC; ++c) acc[r][g][c] = _mm512_setzero_ps();
-  // Keys every row sees, then (two rows) the longer row's own: compile-time row loops, so the
-  // accumulators stay in registers.
-  auto step = [&](int64_t j, auto rows_from) {
-    constexpr int FIRST = decltype(rows_from)::value;
-    const float* vp = v.at(bi, hk, keys[j]);
-    __m512 vv[DC];
-    for (int c = 0; c < DC; ++c) vv[c] = _mm512_loadu_ps(vp + c * LANES);
-    for (int r = FIRST; r < NR; ++r)
-      for (int g = 0; g < GB; ++g) {
-        const __m512 wj = _mm512_set1_ps(w[r * GB + g][j]);
-        for (int c = 0; c < DC; ++c) acc[r][g][c] = _mm512_fmadd_ps(wj, vv[c], acc[r][g][c]);
-      }
-  };
-  int64_t j = 0;
-  for (; j < n[0]; ++j) step(j, std::integral_constant<int, 0>{});
-  if constexpr (NR == 2)
-    for (; j < n[1]; ++j) step(j, std::integral_constant<int, 1>{});
-  for (int r = 0; r < NR; ++r)
-    for (int g = 0; g < GB; ++g)
-      for (int c = 0; c < DC; ++c)
-        _mm512_storeu_ps(out[r] + g * DC * LANES + c * LANES,
-                         n[r] > 0 ? _mm512_div_ps(acc[r][g][c], total[r * GB + g]) : _mm512_setzero_ps());
-}
-
 // Softmax weights of one (row, head) in place over its n compacted scores: the maximum (exact
 // whatever the order; the padding past n left out), exp(s - max), and their sum, lane-wise by
 // place in the sequence (padding adds exact zeros).
@@ -192,66 +167,62 @@ inline __m512 softmax_weights(float* w, int64_t n) {
   return _mm512_set1_ps(_mm512_reduce_add_ps(sum));
 }
 
-struct Scratch {
-  std::vector<float> raw, weights;
-  std::vector<const float*> qp;
-  std::vector<float*> sp, wp;
-};
 
-// NR query rows (nested sequences, see weigh_values) of one batch row and key head: the `group`
-// query heads that share the key head, over the allowed keys `keys[0..n[r])` (indices into the
-// cache, in order). DC: the head dimension in 16s.
-template <int DC, int NR>
-void attend_rows_of(const View4& q, const float* kt, int64_t padded, const View4& v, int64_t bi, int64_t hk,
-                    const int64_t* rows, int group, const int32_t* keys, const int64_t* n, float scale,
-                    float* const* out, Scratch& s) {
-  const int64_t D = DC * LANES, seen = n[NR - 1] > 0 ? keys[n[NR - 1] - 1] + 1 : 0;
-  const int64_t blocks = (seen + LANES - 1) / LANES, seq = (n[NR - 1] + LANES - 1) / LANES * LANES;
-  const int nq = NR * group;
-  s.raw.resize(nq * blocks * LANES);
-  s.weights.assign(nq * seq, 0.0f);
-  s.qp.resize(nq);
-  s.sp.resize(nq);
-  s.wp.resize(nq);
-  for (int r = 0; r < NR; ++r)
-    for (int g = 0; g < group; ++g) {
-      s.qp[r * group + g] = q.at(bi, hk * group + g, rows[r]);
-      s.sp[r * group + g] = s.raw.data() + (r * group + g) * blocks * LANES;
-      s.wp[r * group + g] = s.weights.data() + (r * group + g) * seq;
-    }
-  score_all(s.qp.data(), nq, kt, padded, D, blocks, scale, s.sp.data());
-  std::vector<__m512> total(nq);
-  for (int r = 0; r < NR; ++r)
-    for (int g = 0; g < group; ++g) {
-      const float* raw = s.sp[r * group + g];
-      float* w = s.wp[r * group + g];
-      for (int64_t j = 0; j < n[r]; ++j) w[j] = raw[keys[j]];
-      total[r * group + g] = softmax_weights(w, n[r]);
-    }
-  // Heads in chunks whose accumulators fit the registers (NR x GB x DC <= 24 where it can).
-  constexpr int GB = std::max(1, 24 / (NR * DC));
-  for (int g = 0; g < group; g += GB) {
-    const int gb = std::min(GB, group - g);
-    const float* w[NR * GB];
-    __m512 t[NR * GB];
-    float* o[NR];
-    for (int r = 0; r < NR; ++r) {
-      for (int i = 0; i < gb; ++i) {
-        w[r * gb + i] = s.wp[r * group + g + i];
-        t[r * gb + i] = total[r * group + g + i];
-      }
-      o[r] = out[r] + (hk * group + g) * D;
-    }
-    switch (gb) {
-#define CASE(K) case K: if constexpr (K <= GB) weigh_values<DC, NR, K>(v, bi, hk, keys, n, w, t, o); break;
-      CASE(6) CASE(5) CASE(4) CASE(3) CASE(2)
-#undef CASE
-      default: weigh_values<DC, NR, 1>(v, bi, hk, keys, n, w, t, o); break;
+constexpr int MAX_ACC = 24;  // accumulators a weighted-values pass keeps in registers
+
+// CC 16-wide slices of the weighted values of NW (row, head) pairs over the key sequence
+// keys[0..n) (indices into the cache, in order): each pair's slice is one chain of FMAs over the
+// sequence, weights past a pair's own sequence being exact zeros (acc + 0 v = acc: a shorter,
+// nested row gets the bits it gets alone), whatever pairs and slices share the pass.
+template <int NW, int CC>
+inline void weigh_slices(const float* v0, int64_t key_stride, const int32_t* keys, int64_t n, const float* const* w,
+                         __m512* acc) {
+  __m512 a[NW][CC];
+  for (int i = 0; i < NW; ++i)
+    for (int c = 0; c < CC; ++c) a[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vp = v0 + keys[j] * key_stride;
+    __m512 vv[CC];
+    for (int c = 0; c < CC; ++c) vv[c] = _mm512_loadu_ps(vp + c * LANES);
+    for (int i = 0; i < NW; ++i) {
+      const __m512 wj = _mm512_set1_ps(w[i][j]);
+      for (int c = 0; c < CC; ++c) a[i][c] = _mm512_fmadd_ps(wj, vv[c], a[i][c]);
     }
   }
+  for (int i = 0; i < NW; ++i)
+    for (int c = 0; c < CC; ++c) acc[i * CC + c] = a[i][c];
 }
 
+template <int CC>
+void weigh_slices_of(int nw, const float* v0, int64_t key_stride, const int32_t* keys, int64_t n, const float* const* w,
+                     __m512* acc) {
+  switch (nw) {
+#define CASE(K) case K: if constexpr (K * CC <= MAX_ACC) { weigh_slices<K, CC>(v0, key_stride, keys, n, w, acc); return; } break;
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+    CASE(13) CASE(14) CASE(15) CASE(16) CASE(17) CASE(18) CASE(19) CASE(20) CASE(21) CASE(22) CASE(23) CASE(24)
+#undef CASE
+    default: break;
+  }
+  TORCH_CHECK(false, "attend_rows: ", nw, " weight rows of ", CC, " slices a pass");
+}
+
+void weigh_slices_any(int nw, int cc, const float* v0, int64_t key_stride, const int32_t* keys, int64_t n,
+                      const float* const* w, __m512* acc) {
+  if (cc == 4) weigh_slices_of<4>(nw, v0, key_stride, keys, n, w, acc);
+  else if (cc == 2) weigh_slices_of<2>(nw, v0, key_stride, keys, n, w, acc);
+  else weigh_slices_of<1>(nw, v0, key_stride, keys, n, w, acc);
+}
+
+// Rows a call takes at once (the scores of a tile of rows are held for all its keys).
+constexpr int64_t ROW_TILE = 16;
+
 View4 view(const at::Tensor& t) { return View4{t.const_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)}; }
+
+// Units of a phase split over threads, at least `min_work` multiply-adds a thread: a forward of
+// a few rows over a few hundred keys stays on one thread (a wake-up costs more than it saves).
+int64_t grain(int64_t units, int64_t work_per_unit, int64_t min_work = 50000) {
+  return std::max<int64_t>(1, std::min<int64_t>(units, min_work / std::max<int64_t>(1, work_per_unit)));
+}
 
 // query [B, H, R, D], key / value [B, Hk, KV, D] float32 (D's stride 1), allowed: None (every
 // key) or bool [Bm, R, KV] with Bm 1 or B. Returns float32 [B, R, H, D] (the caller's transpose
@@ -274,76 +245,115 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at:
                 && mask.size(1) == R && mask.size(2) == KV, "attend_rows: allowed must be bool [1 or B, R, KV]");
   }
   auto out = at::empty({B, R, H, D}, query.options());
-  const int group = static_cast<int>(H / Hk);
+  const int64_t group = H / Hk, DC = D / LANES;
   const View4 q = view(query), k = view(key), v = view(value);
   const bool* mp = masked ? mask.const_data_ptr<bool>() : nullptr;
   const int64_t mask_b = masked && mask.size(0) == B ? R * KV : 0;
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const int64_t padded = (KV + LANES - 1) / LANES * LANES, key_blocks = padded / LANES;
-  // The keys of one batch row transposed once ([Hk, D, padded]), shared by all its rows and heads.
-  std::vector<float> kt(Hk * D * padded);
-  for (int64_t bi = 0; bi < B; ++bi) {
-    at::parallel_for(0, Hk * key_blocks, std::max<int64_t>(1, 64 / std::max<int64_t>(1, D / LANES)),
-                     [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end;) {
-        const int64_t hk = u / key_blocks, b0 = u % key_blocks, b1 = std::min(key_blocks, b0 + (end - u));
-        transpose_keys(k, bi, hk, KV, D, padded, b0, b1, kt.data() + hk * D * padded);
-        u += b1 - b0;
-      }
-    });
-    // Threads split whole (key head, pair of query rows) units, never a sum; a forward of a few
-    // rows over a few hundred keys stays on one thread.
-    const int64_t pairs = (R + 1) / 2;
-    const int64_t grain = std::max<int64_t>(1, 100000 / std::max<int64_t>(1, 2 * group * KV * D));
-    at::parallel_for(0, Hk * pairs, grain, [&](int64_t begin, int64_t end) {
-      std::vector<int32_t> keys(2 * KV);
-      Scratch scratch;
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t hk = u / pairs, r0 = 2 * (u % pairs), nr = std::min<int64_t>(2, R - r0);
-        int64_t n[2] = {0, 0};
-        for (int64_t i = 0; i < nr; ++i) {
-          int32_t* ks = keys.data() + i * KV;
-          if (mp) {
-            const bool* row = mp + bi * mask_b + (r0 + i) * KV;
-            for (int64_t j = 0; j < KV; ++j)
-              if (row[j]) ks[n[i]++] = static_cast<int32_t>(j);
-          } else {
-            for (int64_t j = 0; j < KV; ++j) ks[n[i]++] = static_cast<int32_t>(j);
-          }
-        }
-        // Two rows share a pass when one's keys are the start of the other's (causal rows);
-        // otherwise each takes its own. Either way each row's arithmetic is the same.
-        const int longer = nr == 2 && n[1] < n[0] ? 0 : nr - 1, shorter = 1 - longer;
-        const bool nested = nr == 2 && std::equal(keys.data() + shorter * KV, keys.data() + shorter * KV + n[shorter],
-                                                  keys.data() + longer * KV);
-        const float* kh = kt.data() + hk * D * padded;
-        auto run = [&](const int64_t* rows, const int32_t* ks, const int64_t* counts, int count) {
-          float* o[2] = {op + (bi * R + rows[0]) * H * D, count == 2 ? op + (bi * R + rows[1]) * H * D : nullptr};
-          // Gemma's 256-wide heads: twice the accumulators of the 128-wide ones, so a pair of rows
-          // spills registers; the arithmetic of each row is the same either way.
-          if (count == 2) {
-            if (D == 64) attend_rows_of<4, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
-            else if (D == 128) attend_rows_of<8, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
-            else attend_rows_of<16, 2>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
-          } else {
-            if (D == 64) attend_rows_of<4, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
-            else if (D == 128) attend_rows_of<8, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
-            else attend_rows_of<16, 1>(q, kh, padded, v, bi, hk, rows, group, ks, counts, sc, o, scratch);
-          }
-        };
-        if (nested) {
-          const int64_t rows[2] = {r0 + shorter, r0 + longer}, counts[2] = {n[shorter], n[longer]};
-          run(rows, keys.data() + longer * KV, counts, 2);
+  std::vector<int32_t> keys(std::min(R, ROW_TILE) * KV);
+  std::vector<float> scores, weights;
+  std::vector<__m512> totals;
+  for (int64_t bi = 0; bi < B; ++bi)
+    for (int64_t r0 = 0; r0 < R; r0 += ROW_TILE) {
+      const int64_t rt = std::min(ROW_TILE, R - r0);
+      // Each row's allowed keys in order, and whether every row's are the start of the longest's
+      // (causal rows): then the values are read once for all of them.
+      int64_t n[ROW_TILE], longest = 0;
+      for (int64_t i = 0; i < rt; ++i) {
+        int32_t* ks = keys.data() + i * KV;
+        n[i] = 0;
+        if (mp) {
+          const bool* row = mp + bi * mask_b + (r0 + i) * KV;
+          for (int64_t j = 0; j < KV; ++j)
+            if (row[j]) ks[n[i]++] = static_cast<int32_t>(j);
         } else {
-          for (int64_t i = 0; i < nr; ++i) {
-            const int64_t rows[1] = {r0 + i}, counts[1] = {n[i]};
-            run(rows, keys.data() + i * KV, counts, 1);
+          for (int64_t j = 0; j < KV; ++j) ks[n[i]++] = static_cast<int32_t>(j);
+        }
+        if (n[i] > n[longest]) longest = i;
+      }
+      bool nested = true;
+      for (int64_t i = 0; i < rt && nested; ++i)
+        nested = std::equal(keys.data() + i * KV, keys.data() + i * KV + n[i], keys.data() + longest * KV);
+      int64_t seen = 0;
+      for (int64_t i = 0; i < rt; ++i) seen = std::max<int64_t>(seen, n[i] ? keys[i * KV + n[i] - 1] + 1 : 0);
+      const int64_t padded = (seen + LANES - 1) / LANES * LANES, tiles = (padded + TILE - 1) / TILE;
+      const int64_t width = (n[longest] + LANES - 1) / LANES * LANES;  // a weight row: the longest sequence, padded
+      const int64_t nq = rt * group;  // query vectors a key head scores: row-major, then head
+      scores.resize(Hk * nq * padded);
+      weights.assign(rt * H * std::max<int64_t>(width, 1), 0.0f);
+      totals.resize(rt * H);
+
+      // Scores: a unit is a key head's tile of 64 keys, for every query vector of the key head.
+      at::parallel_for(0, Hk * tiles, grain(Hk * tiles, nq * TILE * D), [&](int64_t begin, int64_t end) {
+        std::vector<float> tile(D * TILE);
+        std::vector<const float*> qp(nq);
+        std::vector<float*> sp(nq);
+        for (int64_t u = begin; u < end; ++u) {
+          const int64_t hk = u / tiles, j0 = (u % tiles) * TILE, nb = std::min<int64_t>(TILE, padded - j0) / LANES;
+          transpose_tile(k, bi, hk, KV, D, j0, nb, tile.data());
+          for (int64_t i = 0; i < rt; ++i)
+            for (int64_t g = 0; g < group; ++g) {
+              qp[i * group + g] = q.at(bi, hk * group + g, r0 + i);
+              sp[i * group + g] = scores.data() + (hk * nq + i * group + g) * padded + j0;
+            }
+          for (int64_t first = 0; first < nq; first += 6) {
+            const int count = static_cast<int>(std::min<int64_t>(6, nq - first));
+            score_all(qp.data() + first, count, tile.data(), TILE, D, nb, sc, sp.data() + first);
           }
         }
-      }
-    });
-  }
+      });
+
+      // Softmax weights: a unit is a (row, head), its scores gathered in its sequence's order.
+      at::parallel_for(0, rt * H, grain(rt * H, n[longest] * 4), [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; ++u) {
+          const int64_t i = u / H, h = u % H, hk = h / group, g = h % group;
+          const float* raw = scores.data() + (hk * nq + i * group + g) * padded;
+          float* w = weights.data() + u * width;
+          const int32_t* ks = keys.data() + i * KV;
+          for (int64_t j = 0; j < n[i]; ++j) w[j] = raw[ks[j]];
+          totals[u] = softmax_weights(w, n[i]);
+        }
+      });
+
+      // Weighted values: a unit is a key head's `cc` slices of 16 dimensions for a pass of (row,
+      // head) pairs (rows side by side when nested, else one row a pass), at most MAX_ACC
+      // accumulators. Slices as wide as leave each thread two units (a decode step's few heads).
+      int64_t cc = std::min<int64_t>(4, DC);
+      while (cc > 1 && Hk * (DC / cc) < 2 * at::get_num_threads()) cc /= 2;
+      const int64_t rows_a_pass = nested ? std::max<int64_t>(1, MAX_ACC / (cc * group)) : 1;
+      while (cc > 1 && group * cc > MAX_ACC) cc /= 2;  // 16 heads a key head: one slice a pass
+      struct Pass { int64_t row0, rows; };
+      std::vector<Pass> passes;
+      for (int64_t i = 0; i < rt; i += rows_a_pass) passes.push_back({i, std::min(rows_a_pass, rt - i)});
+      const int64_t np = static_cast<int64_t>(passes.size()), slices = DC / cc, units = Hk * slices * np;
+      at::parallel_for(0, units, grain(units, n[longest] * rows_a_pass * group * cc * LANES),
+                       [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; ++u) {
+          const int64_t hk = u / (slices * np), c0 = (u / np) % slices * cc;
+          const Pass p = passes[u % np];
+          // The pass's sequence: its longest row's (every row of a nested pass is a start of it).
+          int64_t lead = p.row0;
+          for (int64_t i = p.row0; i < p.row0 + p.rows; ++i)
+            if (n[i] > n[lead]) lead = i;
+          const float* w[MAX_ACC];
+          __m512 acc[MAX_ACC];
+          int nw = 0;
+          for (int64_t i = p.row0; i < p.row0 + p.rows; ++i)
+            for (int64_t g = 0; g < group; ++g) w[nw++] = weights.data() + (i * H + hk * group + g) * width;
+          weigh_slices_any(nw, static_cast<int>(cc), v.at(bi, hk, 0) + c0 * LANES, v.r, keys.data() + lead * KV,
+                           n[lead], w, acc);
+          nw = 0;
+          for (int64_t i = p.row0; i < p.row0 + p.rows; ++i)
+            for (int64_t g = 0; g < group; ++g, ++nw) {
+              const __m512 total = totals[i * H + hk * group + g];
+              float* o = op + ((bi * R + r0 + i) * H + hk * group + g) * D + c0 * LANES;
+              for (int64_t c = 0; c < cc; ++c)
+                _mm512_storeu_ps(o + c * LANES, n[i] > 0 ? _mm512_div_ps(acc[nw * cc + c], total) : _mm512_setzero_ps());
+            }
+        }
+      });
+    }
   return out;
 }
 
