@@ -225,3 +225,26 @@ def test_masks_derived_once_a_forward_follow_the_mask_they_came_from(attention_p
     changed = attend_new_rows(q, k[:, :, :kv], v[:, :, :kv], allowed, SCALE)
     assert not torch.equal(changed, first)
     assert torch.equal(changed, attend_new_rows(q, k[:, :, :kv], v[:, :, :kv], allowed.clone(), SCALE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,keys", [(256, 256), (256, 1300), (40, 700)])
+def test_prompt_attention_gives_transformers_bits_without_repeating_the_keys(dtype, rows, keys):
+    """``invariant.prompt_attention``: a masked GQA chunk on torch's kernel with the heads grouped
+    equals transformers' ``sdpa_attention_forward`` (which repeats the key heads), bit for bit;
+    one row and an unmasked chunk take transformers' own path."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from constrained_spec.models.invariant import _allowed, prompt_attention
+
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    g = torch.Generator().manual_seed(rows + keys)
+    q = torch.randn(1, 9, rows, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, 3, keys, 64, generator=g).to(dtype) for _ in range(2))
+    mask = _allowed(None, keys, keys - rows, 0, q.device)[None, None]
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.125)
+    assert torch.equal(prompt_attention(module, q, k, v, mask, 0.125, 0.0, {}), want)
+    first = prompt_attention(module, q, k[:, :, :rows], v[:, :, :rows], None, 0.125)  # no mask: causal, theirs
+    assert torch.equal(first, sdpa_attention_forward(module, q, k[:, :, :rows], v[:, :, :rows], None, scaling=0.125)[0])

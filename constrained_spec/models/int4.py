@@ -20,7 +20,9 @@ scales and inputs have) and a row split (``rows``, set by ``make_batch_invariant
 segments of at least ``MIN_DENSE_ROWS`` rows through a dense matmul instead: a bfloat16 one
 where the CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX: several times faster than a
 float32 matmul of a prompt's shapes, accumulated in float32), else a float32 one over the
-weights widened once per forward (docs/performance.md has the figures).
+weights widened once per forward (docs/performance.md has the figures). The bfloat16 one runs in
+blocks packed by oneDNN at the first prompt (``models.dense_blocks``: the same bits at any thread
+count), which then replace the bfloat16 copy.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import q4_vnni
+from . import dense_blocks, q4_vnni
+from .dense_blocks import PackedLinear
 from .shared_input import SharedInputCall
-from .threads import at_dense_threads
+from .threads import at_dense_threads, dense_threads
 
 GROUP = 32
 #: Bytes of one Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles.
@@ -124,6 +127,7 @@ class Int4Linear(nn.Module):
         # A plain attribute, not a buffer: decode and verify rows never read it, so it is not
         # among the bytes a forward's profile counts (``forward_profile``).
         self.prompt_weight = prompt_weight
+        self.prompt_blocks: PackedLinear | None = None
         self.prompt_dtype = prompt_matmul_dtype()
         self.rows: Any = None
 
@@ -145,12 +149,16 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
-        if self.rows is not None and self.prompt_weight is not None:
+        if self.rows is not None and (self.prompt_weight is not None or self.prompt_blocks is not None):
             dense: list[torch.Tensor] = []  # the weights in prompt_dtype, converted once for all of a forward's chunks
 
             def prompt(rows: torch.Tensor) -> torch.Tensor:
                 if rows.shape[-2] < MIN_DENSE_ROWS[self.prompt_dtype]:
                     return self._kernel(rows)
+                blocks = self._prompt_blocks()
+                if blocks is not None:  # the same bits at any thread count (models.dense_blocks)
+                    flat = rows.reshape(-1, self.in_features).to(self.prompt_dtype)
+                    return blocks(flat).to(rows.dtype).reshape(*rows.shape[:-1], self.out_features)
                 # At one thread count whatever the load: the library's split of the reduction,
                 # and so the bits, depend on it (models.threads).
                 with at_dense_threads():
@@ -165,6 +173,15 @@ class Int4Linear(nn.Module):
 
             return self.rows.apply(x, prompt, self._kernel)
         return self._kernel(x)
+
+    def _prompt_blocks(self) -> PackedLinear | None:
+        """The prompt weights packed in blocks (``models.dense_blocks``), packed at the first
+        prompt and the bfloat16 copy then dropped; None where the blocks do not run."""
+        if self.prompt_blocks is None and self.prompt_weight is not None and self.prompt_dtype == torch.bfloat16 \
+                and dense_blocks.available():
+            self.prompt_blocks = PackedLinear(self.prompt_weight, dense_threads())
+            self.prompt_weight = None
+        return self.prompt_blocks
 
     def kernel_bfloat16(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel on ``x`` ``[..., K]`` as rows ``[n, N]``, in the kernel's bfloat16 (for

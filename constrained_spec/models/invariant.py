@@ -224,8 +224,6 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     """Attention for transformers' ``AttentionInterface`` (shapes as there: ``query`` ``[b, h, q, d]``,
     ``key`` / ``value`` ``[b, h_kv, kv, d]``; returns ``[b, q, h, d]``). The first ``prompt_rows``
     query rows go to the stock kernel over their own keys only; the others to float64 attention."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     q_len, kv_len = query.shape[2], key.shape[2]
     past = kv_len - q_len
     segments = prompt_segments(kwargs.pop("prompt_rows", 0))
@@ -252,9 +250,8 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
             mask = None
         # A request's cache may hold float64 copies (models.growing_cache): converted exactly
         # to the query's dtype (or rounded to the prompt dtype) for the stock kernel.
-        out, _ = sdpa_attention_forward(module, query[:, :, start : start + rows].to(prompt_dtype),
-                                        prompt_keys[:, :, :keys], prompt_values[:, :, :keys], mask, dropout=dropout,
-                                        scaling=scale, **kwargs)
+        out = prompt_attention(module, query[:, :, start : start + rows].to(prompt_dtype), prompt_keys[:, :, :keys],
+                               prompt_values[:, :, :keys], mask, scale, dropout, kwargs)
         parts.append(out.to(query.dtype))
     if prompt_rows < q_len:
         rows = q_len - prompt_rows
@@ -267,6 +264,27 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         out = attend_new_rows(query[:, :, prompt_rows:], key, value, mask, scale).to(query.dtype)
         parts.append(out.transpose(1, 2))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
+
+
+def prompt_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float, dropout: float = 0.0,
+                     kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    """Prompt rows' attention, ``[b, q, h, d]``: transformers' ``sdpa_attention_forward`` where
+    it would repeat the key heads for a masked GQA call, torch's kernel told the heads are
+    grouped instead. The same bits (tested): the kernel runs each query head over its key head
+    either way, without copying the keys and values three times a chunk of a layer (most of a
+    long prompt's copies). Anything else (no GQA, no mask, one row, a position bias): theirs."""
+    extra = kwargs or {}
+    if (mask is not None and getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1 and not dropout
+            and key.shape[-1] == value.shape[-1] and "is_causal" not in extra
+            and extra.get("position_bias") is None and extra.get("softcap") is None):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scale, **(kwargs or {}))
+    return out
 
 
 def cache_dtype(config: Any, device: torch.device) -> torch.dtype | None:

@@ -13,10 +13,12 @@ may run on (``/proc/stat``) less this process's own CPU time, and gives torch th
 leave free (at least one, at most the thread count torch started with). Forwards give the same
 bits at any thread count (the int4 kernel computes each output alone, attention parallelizes
 over heads, the float64 reductions round to float32; tested), so changing it mid-request changes
-speed only. The one exception is the dense matmul of prompt rows (``models.int4``): oneDNN and
-MKL split a matmul's reduction by the thread count for some shapes, so a prompt's keys, and with
-them the output, would change with the load the governor saw. Those matmuls run at
-``dense_threads()``, one count for the life of the process, whatever the governor chose: a
+speed only. That includes the dense matmul of prompt rows where it runs in blocks
+(``models.dense_blocks``: each block on one thread, ``dense_threads()`` blocks), so a prompt pass
+sheds threads too. Elsewhere (a float32 prompt matmul, or oneDNN without its packed linear)
+oneDNN and MKL split a matmul's reduction by the thread count for some shapes, so a prompt's
+keys, and with them the output, would change with the load the governor saw: those matmuls run
+at ``dense_threads()``, one count for the life of the process, whatever the governor chose. A
 request's output never depends on the machine's load (tested).
 
 ``RuntimeConfig.threads`` (``CONSTRAINED_SPEC_THREADS``): "auto" (the default) as above; a number
@@ -167,9 +169,9 @@ def thread_governor() -> ThreadGovernor | _Fixed:
 
 
 def dense_threads() -> int:
-    """The thread count every dense matmul of prompt rows runs at: the governor's most (the count
-    torch started with, or the fixed one), never the load-dependent current count (module
-    docstring)."""
+    """The governor's most threads (the count torch started with, or the fixed one), never the
+    load-dependent current count: the blocks of a dense prompt matmul, or the count one that is
+    not in blocks runs at (module docstring)."""
     governor = thread_governor()
     return governor.max_threads if isinstance(governor, ThreadGovernor) else governor.threads
 
