@@ -60,7 +60,7 @@ _LIBRARY.define("q4_1_mm(Tensor x, Tensor packed, Tensor scales, bool split) -> 
 _LIBRARY.define("q8_0_mm(Tensor x, Tensor packed, Tensor scales) -> Tensor")
 _LIBRARY.define("attend_rows(Tensor query, Tensor key, Tensor value, Tensor? allowed, float scale) -> Tensor")
 _LIBRARY.define("row_variance(Tensor x) -> Tensor")
-_LIBRARY.define("linear_blocks(Tensor x, Tensor[] blocks, int[] widths) -> Tensor")
+_LIBRARY.define("linear_blocks(Tensor x, Tensor[] blocks, int[] widths, ScalarType? dtype=None) -> Tensor")
 _LIBRARY.define("add_rms_norm(Tensor x, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)")
 _LIBRARY.define("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, int past, "
                 "int q_heads, int head_dim) -> Tensor")

@@ -57,7 +57,8 @@ def block_widths(columns: int, parts: int) -> list[int]:
 
 class PackedLinear:
     """``weight`` ``[N, K]`` (bfloat16) as ``parts`` blocks packed by oneDNN; called on rows
-    ``[M, K]`` of the weight's dtype, returns ``[M, N]`` in it, the same bits at any thread count."""
+    ``[M, K]`` of the weight's dtype, returns ``[M, N]`` in ``dtype`` (None: the rows'), the same
+    bits at any thread count."""
 
     def __init__(self, weight: torch.Tensor, parts: int) -> None:
         self.out_features, self.in_features = weight.shape
@@ -65,5 +66,5 @@ class PackedLinear:
         self.blocks = [torch.ops.mkldnn._reorder_linear_weight(block.contiguous(), PACKED_FOR_ROWS)
                        for block in weight.split(self.widths)]
 
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.constrained_spec.linear_blocks(rows, self.blocks, self.widths)
+    def __call__(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.ops.constrained_spec.linear_blocks(rows, self.blocks, self.widths, dtype)

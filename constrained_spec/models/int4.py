@@ -158,7 +158,7 @@ class Int4Linear(nn.Module):
                 blocks = self._prompt_blocks()
                 if blocks is not None:  # the same bits at any thread count (models.dense_blocks)
                     flat = rows.reshape(-1, self.in_features).to(self.prompt_dtype)
-                    return blocks(flat).to(rows.dtype).reshape(*rows.shape[:-1], self.out_features)
+                    return blocks(flat, rows.dtype).reshape(*rows.shape[:-1], self.out_features)
                 # At one thread count whatever the load: the library's split of the reduction,
                 # and so the bits, depend on it (models.threads).
                 with at_dense_threads():

@@ -11,12 +11,14 @@
 
 namespace {
 
-at::Tensor linear_blocks(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef widths) {
+at::Tensor linear_blocks(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef widths,
+                         std::optional<at::ScalarType> dtype) {
   TORCH_CHECK(x.dim() == 2, "linear_blocks: x must be [M, K], got ", x.sizes());
   TORCH_CHECK(!blocks.empty() && blocks.size() == widths.size(), "linear_blocks: one width per block");
   std::vector<int64_t> first(widths.size() + 1, 0);
   for (size_t b = 0; b < widths.size(); ++b) first[b + 1] = first[b] + widths[b];
-  auto out = at::empty({x.size(0), first.back()}, x.options());
+  // The result in `dtype` (None: x's): each block's output converted as it is put in place.
+  auto out = at::empty({x.size(0), first.back()}, x.options().dtype(dtype.value_or(x.scalar_type())));
   const at::Tensor xc = x.contiguous();
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
