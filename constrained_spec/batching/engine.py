@@ -6,7 +6,10 @@ every row (K, draft, masks: ``SpeculativeDecoder.plan``), runs one forward over 
 ``[last, drafts...]``, packed into one sequence with each row at its own positions
 (``batching.packing``, ``RowCache``), then lets each row verify and commit
 (``SpeculativeDecoder.finish``), so a row in the engine runs the very lines a single request
-runs. Target-only batched decoding is the same engine with K = 0.
+runs. Target-only batched decoding is the same engine with K = 0. Speculation in the batch
+must pay for itself: before the rows plan, the scheduler's draft gate (``batching.drafting``)
+decides from the engine's measured forward and host costs whether the rows the budget may cut
+draft at all this step; where it does not pay they plan the plain step, their drafters not called.
 
 A joining request's leading prompt blocks come from the prefix cache where it holds them; its
 other prompt chunks (``decoding.prefix``: fixed absolute cuts every ``PREFILL_CHUNK`` tokens)
@@ -26,6 +29,7 @@ a batched row differently by ~1e-5, which can flip an exact near-tie.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -235,37 +239,80 @@ class BatchEngine:
     # -- one batched step -----------------------------------------------------------------------
     @torch.no_grad()
     def _batched_step(self) -> None:
-        """Plan every row, let the scheduler choose the prompt chunks and cut the drafts, run one
-        packed forward, then each row verifies, commits and rolls back."""
+        """Let the scheduler choose the prompt chunks and whether the cuttable rows draft, plan
+        every row, let the scheduler cut the drafts, run one packed forward, then each row
+        verifies, commits and rolls back."""
         self.runner.catch_up(self.active, self.prefix_cache)
-        plans = self._plan_rows()
+        step_began_at = time.perf_counter()
         feeding = self.scheduler.prefill_turn()
+        chunk_tokens = sum(c.length for c in feeding.values())
+        plans, host, drafting = self._plan_rows(chunk_tokens)
         live = [(i, p) for i, p in enumerate(plans) if p is not None]
         if not live and not feeding:
             return
-        live = self.scheduler.budget(live, sum(c.length for c in feeding.values()))
+        began_at = time.perf_counter()
+        live = self.scheduler.budget(live, chunk_tokens, drafted=drafting)
+        for i in host:  # the budget's work is the gated rows', shared evenly
+            host[i] += (time.perf_counter() - began_at) / len(host)
         prompts = {i: (c, self.active[i].decoder.prompt_ids[c.start : c.end]) for i, c in feeding.items()}
         out = self.runner.run(len(self.active), live, prompts,
                               {i: self.active[i].decoder.feature_layers for i, _ in live})
         if not feeding:  # a chunk's rows take the dense prompt path: another cost per token
             self.cost.add(out.packing.tokens, out.seconds)
         self._book_chunks(feeding, out)
+        emitted = 0
         for i, plan in live:
-            self._finish_row(i, plan, out)
+            began_at = time.perf_counter()
+            emitted += self._finish_row(i, plan, out)
+            if i in host:
+                host[i] += time.perf_counter() - began_at
+        if host:
+            self._teach_gate(live, host, drafting, bool(feeding), emitted, time.perf_counter() - step_began_at)
 
-    def _plan_rows(self) -> list[StepPlan | None]:
+    def _teach_gate(self, live: list[tuple[int, StepPlan]], host: dict[int, float], drafting: bool, fed_prompt: bool,
+                    emitted: int, seconds: float) -> None:
+        """Teach the draft gate what the gated rows' step cost beside the forward (planning, the
+        budget, finishing: ``host``, by slot) and how the step's rate compared with its model's
+        (``emitted`` tokens in ``seconds``). A joining row's first step (its last prompt chunk in
+        front) is left out of the host time, its one-time work (new states' masks, first
+        proposals) no drafting cost; a step that fed prompt tokens is not priced by the model."""
+        gate = self.scheduler.gate
+        timed = [i for i, plan in live if i in host and not plan.first]
+        gate.host.add(drafting, len(timed), sum(host[i] for i in timed))
+        priced = not fed_prompt and not any(plan.first for _, plan in live)
+        gate.outcome(emitted, seconds if priced else 0.0)
+
+    def _plan_rows(self, chunk_tokens: int) -> tuple[list[StepPlan | None], dict[int, float], bool]:
         """Each row's plan (``SpeculativeDecoder.plan``); None for a row still feeding its prompt
-        or one whose plan failed (its error kept: one request's failure must not stop the others)."""
-        plans: list[StepPlan | None] = []
-        for req in self.active:
-            plan = None
-            if not req.decoder.prompt_chunks:  # still feeding its prompt: nothing to plan yet
-                try:
-                    plan = req.decoder.plan()
-                except Exception as e:
-                    req.error = e
-            plans.append(plan)
-        return plans
+        or one whose plan failed (its error kept: one request's failure must not stop the others).
+        The rows the draft gate leaves alone plan first, so the gate knows what they feed; then
+        the gate decides for the others, before any of them proposes, and they plan with their
+        drafters or without. Returns the plans, the seconds each gated row's plan took (by
+        slot), and whether the gated rows drafted."""
+        plans: list[StepPlan | None] = [None] * len(self.active)
+        ready = [i for i, req in enumerate(self.active) if not req.decoder.prompt_chunks]
+        gated = [i for i in ready if self.scheduler.gated(i)]
+        for i in ready:
+            if i not in gated:
+                plans[i] = self._plan(self.active[i], draft=True)
+        fixed = len(ready) + chunk_tokens + sum(len(p.draft.tokens) for p in plans if p is not None)
+        drafting = self.scheduler.drafting_pays(len(ready), len(gated), fixed) if gated else True
+        host: dict[int, float] = {}
+        for i in gated:
+            began_at = time.perf_counter()
+            plans[i] = self._plan(self.active[i], draft=drafting)
+            host[i] = time.perf_counter() - began_at
+        return plans, host, drafting
+
+    @staticmethod
+    def _plan(req: Request, *, draft: bool) -> StepPlan | None:
+        """The row's plan; with ``draft`` False its plain step (the drafter not called). None if
+        planning failed (the error kept on the request)."""
+        try:
+            return req.decoder.plan(draft=draft)
+        except Exception as e:
+            req.error = e
+            return None
 
     def _book_chunks(self, feeding: dict[int, Chunk], out: StepOutput) -> None:
         """The prompt chunks fed this step: off each row's queue, into its cache and the prefix
@@ -281,10 +328,11 @@ class BatchEngine:
             dec.store_prompt_blocks([chunk], self.runner.block_reader(slot))
         self.scheduler.book_prefill(long, shares, out.seconds)
 
-    def _finish_row(self, slot: int, plan: StepPlan, out: StepOutput) -> None:
-        """The row's second half of the step (``SpeculativeDecoder.finish``), then what its own
-        step does after: its prompt blocks kept, its cache cut to the accepted prefix, the
-        head's features handed on, the tokens streamed."""
+    def _finish_row(self, slot: int, plan: StepPlan, out: StepOutput) -> int:
+        """The row's second half of the step (``SpeculativeDecoder.finish``; a plain step the
+        draft gate chose teaches its K policy nothing), then what its own step does after: its
+        prompt blocks kept, its cache cut to the accepted prefix, the head's features handed
+        on, the tokens streamed. Returns how many tokens it emitted."""
         req = self.active[slot]
         dec = req.decoder
         try:
@@ -293,12 +341,13 @@ class BatchEngine:
                                           prompt_seconds=out.seconds * plan.first / out.packing.tokens)
         except Exception as e:
             req.error = e
-            return
+            return 0
         dec.keep_prompt_blocks(plan, self.runner.block_reader(slot))
         self.cache.keep(slot, len(plan.tokens) - dropped)
         dec.observe_features(out.hidden, out.packing.starts[slot], out.starts[slot], plan, dropped)
         if emitted and req.on_tokens is not None:
             req.on_tokens(emitted)
+        return len(emitted)
 
     # -- joining and leaving --------------------------------------------------------------------
     def _close(self, req: Request) -> None:

@@ -1,9 +1,13 @@
-"""The batch engine's policy: who joins, whose prompt chunk a step feeds, how long each draft is.
+"""The batch engine's policy: who joins, whose prompt chunk a step feeds, whether and how long each row drafts.
 
 The scheduler decides and never touches a tensor: admission against the KV memory bound, the
-turns of prompt chunks beside the decoding rows, and the step budget that cuts drafts to the
-set with the most expected tokens per second. The step runner (``batching.runner``) carries
-out what it decides; ``batching.engine`` composes the two.
+turns of prompt chunks beside the decoding rows, whether a step's rows draft at all (the draft
+gate, ``batching.drafting``: before any row proposes, from the measured forward and host costs
+and recent drafts' acceptance estimates, with probes on a bounded schedule while it is off),
+and the step budget that cuts the drafts drawn to the set with the most expected tokens per
+second (``batching.budget``). Both leave alone the rows whose K is fixed or whose seeded
+sampling must not depend on the batch (``SpeculativeDecoder.budgeted``). The step runner
+(``batching.runner``) carries out what it decides; ``batching.engine`` composes the two.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from ..decoding import prefix
 from ..decoding.decoder import SpeculativeDecoder, StepPlan
 from ..decoding.prefix import Chunk, PrefixCache
 from .budget import BatchCost, choose_drafts
+from .drafting import DraftGate
 
 if TYPE_CHECKING:
     from .engine import Request
@@ -47,7 +52,7 @@ class Scheduler:
         max_batch: the most rows decoded at once.
         kv_memory: bytes the row cache may hold (see ``BatchEngine``).
         kv_bytes: the bytes the row cache holds at most for rows of the given positions.
-        cost: the batched forward's cost model (``batching.budget``).
+        cost: the batched forward's cost model (``batching.budget``), shared with the draft gate.
         prefix_cache: where prompt blocks are shared (a block two rows start with is fed once).
         prefill_chunk: tokens per prompt chunk (None: ``PREFILL_CHUNK``).
     """
@@ -58,6 +63,8 @@ class Scheduler:
         self.kv_memory = kv_memory
         self.kv_bytes = kv_bytes
         self.cost = cost
+        #: Whether a step's cuttable rows draft at all (``batching.drafting``).
+        self.gate = DraftGate(cost)
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
         self.waiting: list[Request] = []
@@ -142,15 +149,36 @@ class Scheduler:
         if long:
             self.prefill_credit = min(self.prefill_credit + len(long) / len(self.active) * seconds, seconds)
 
-    # -- the draft budget -----------------------------------------------------------------------
-    def budget(self, live: list[tuple[int, StepPlan]], chunk_tokens: int = 0) -> list[tuple[int, StepPlan]]:
+    # -- drafting and the draft budget ---------------------------------------------------------
+    def gated(self, slot: int) -> bool:
+        """Whether the draft gate decides for the row in ``slot``: one the budget may cut
+        (``SpeculativeDecoder.budgeted``) with a drafter to call."""
+        dec = self.active[slot].decoder
+        return dec.budgeted and dec.drafter is not None
+
+    def drafting_pays(self, rows: int, gated: int, fixed_tokens: int) -> bool:
+        """Whether this step's ``gated`` rows (budgeted rows with a drafter, of ``rows`` planning
+        rows) draft at all (``DraftGate.decide``); asked before any of them proposes.
+        ``fixed_tokens``: what the step feeds whatever they draft."""
+        return self.gate.decide(rows, gated, fixed_tokens)
+
+    def budget(self, live: list[tuple[int, StepPlan]], chunk_tokens: int = 0,
+               drafted: bool = True) -> list[tuple[int, StepPlan]]:
         """Cut the drafts of rows whose K policy allows it to the set with the most expected
-        tokens per second (``batching.budget``); ``chunk_tokens``: a prompt chunk the step feeds too."""
-        cut = [(i, p) for i, p in live if self.active[i].decoder.budgeted and p.draft.tokens]
-        if not cut:
-            return live
+        tokens per second (``batching.budget``); ``chunk_tokens``: a prompt chunk the step feeds
+        too; ``drafted``: whether the gated rows drafted this step (their survivals, drawn or
+        not, then teach the draft gate what drafting is worth)."""
+        gated = [(i, p) for i, p in live if self.gated(i)]
+        if drafted and gated:
+            self.gate.observe([(self.active[i].decoder.k_policy.survival,  # type: ignore[attr-defined]
+                                p.draft.token_kinds(), p.draft.confidence) for i, p in gated])
+        cut = [(i, p) for i, p in gated if p.draft.tokens]
         survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds(), p.draft.confidence)  # type: ignore[attr-defined]
                      for i, p in cut]
+        if not cut:
+            return live
         fixed_tokens = sum(len(p.tokens) for _, p in live) - sum(len(p.draft.tokens) for _, p in cut) + chunk_tokens
-        keep = dict(zip((i for i, _ in cut), choose_drafts(survivals, fixed_tokens, float(len(live)), self.cost)))
+        # The rows' host work is the step's whatever is kept: it lowers the rate a draft must beat.
+        host = self.gate.host.plain * len(live) + (self.gate.host.draft * len(gated) if drafted else 0.0)
+        keep = dict(zip((i for i, _ in cut), choose_drafts(survivals, fixed_tokens, float(len(live)), self.cost, host)))
         return [(i, p.cut(keep[i]) if i in keep else p) for i, p in live]

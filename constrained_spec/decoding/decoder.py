@@ -45,6 +45,9 @@ class StepPlan:
     subsets: list[torch.Tensor | None] | None = None
     #: The prompt chunks among ``tokens[:first]`` (absolute positions; ``decoding.prefix``).
     chunks: tuple[Chunk, ...] = ()
+    #: A batch engine's draft gate held this step's draft back (``plan(draft=False)``): the
+    #: step examined no draft, so it teaches the K policy nothing.
+    held_back: bool = False
 
     def row_subsets(self) -> list[torch.Tensor | None]:
         """``subsets``, or None for every row (the whole vocabulary)."""
@@ -240,16 +243,19 @@ class SpeculativeDecoder:
         self.observe_features(hidden, 0, start, plan, dropped)
         return emitted
 
-    def plan(self) -> StepPlan:
+    def plan(self, draft: bool = True) -> StepPlan:
         """The first half of a step, before the target runs: choose K, draft, the masks along the
         draft path. Returns what the target must see (``tokens``) and which of its positions
-        need logits (``rows``)."""
-        k = self._choose_k()
+        need logits (``rows``). ``draft`` False: a plain step whatever the policy would choose,
+        the drafter not called (a batch engine's draft gate, ``batching.drafting``)."""
+        k = self._choose_k() if draft else 0
         started_at = time.perf_counter()
-        draft = self._draft(k)
+        proposal = self._draft(k)
         drafted_at = time.perf_counter()
-        masks = self._masks(draft)
-        return self._feed(draft, masks, started_at, drafted_at)
+        masks = self._masks(proposal)
+        plan = self._feed(proposal, masks, started_at, drafted_at)
+        plan.held_back = not draft
+        return plan
 
     def finish(self, plan: StepPlan, logits: torch.Tensor, forward_seconds: float,
                prompt_seconds: float | None = None) -> tuple[list[int], int]:
@@ -273,7 +279,8 @@ class SpeculativeDecoder:
         emitted = self._commit(draft, verdict)
         emitted, dropped = self._stop_checks(draft, verdict.accepted, emitted)
         ended_at = time.perf_counter()
-        self._learn(plan, verdict.accepted, forward_seconds)
+        if not plan.held_back:
+            self._learn(plan, verdict.accepted, forward_seconds)
         self.stats.record_step(
             draft.token_kinds(), verdict.accepted, verdict.next_token != self.matcher.eos_token_id, len(self.output),
             draft_seconds=plan.drafted_at - plan.started_at, target_seconds=forward_seconds,
