@@ -237,7 +237,7 @@ def test_prompt_attention_gives_transformers_bits_without_repeating_the_keys(dty
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from constrained_spec.models.invariant import _allowed, prompt_attention
+    from constrained_spec.models.invariant import _additive_causal, _allowed, prompt_attention
 
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
     g = torch.Generator().manual_seed(rows + keys)
@@ -246,5 +246,7 @@ def test_prompt_attention_gives_transformers_bits_without_repeating_the_keys(dty
     mask = _allowed(None, keys, keys - rows, 0, q.device)[None, None]
     want, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.125)
     assert torch.equal(prompt_attention(module, q, k, v, mask, 0.125, 0.0, {}), want)
+    additive = _additive_causal(keys, keys - rows, rows, dtype, q.device)  # what the prompt chunks pass
+    assert torch.equal(prompt_attention(module, q, k, v, additive, 0.125, 0.0, {}), want)
     first = prompt_attention(module, q, k[:, :, :rows], v[:, :, :rows], None, 0.125)  # no mask: causal, theirs
     assert torch.equal(first, sdpa_attention_forward(module, q, k[:, :, :rows], v[:, :, :rows], None, scaling=0.125)[0])

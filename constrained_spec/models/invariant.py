@@ -239,13 +239,15 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     if segments:
         prompt_keys = key[:, :, : past + prompt_rows].to(prompt_dtype)
         prompt_values = value[:, :, : past + prompt_rows].to(prompt_dtype)
-    for start, rows in segments:  # each prompt chunk on its own keys (decoding.prefix)
+    for chunk, (start, rows) in enumerate(segments):  # each prompt chunk on its own keys (decoding.prefix)
         keys = past + start + rows
         if attention_mask is not None:
             mask = attention_mask[..., start : start + rows, :keys]
         elif past + start:  # a chunk after others: causal over the keys before it too
-            mask = (torch.arange(keys, device=query.device)[None, :]
-                    <= past + start + torch.arange(rows, device=query.device)[:, None])[None, None]
+            # Additive, in the kernel's dtype, as the kernel makes a boolean mask (the same
+            # bits, tested), and once a forward for every layer rather than twice a layer.
+            mask = _remembered(f"prompt chunk {chunk}", None, (keys, past + start, rows, prompt_dtype, query.device),
+                               lambda: _additive_causal(keys, past + start, rows, prompt_dtype, query.device))
         else:
             mask = None
         # A request's cache may hold float64 copies (models.growing_cache): converted exactly
@@ -264,6 +266,13 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         out = attend_new_rows(query[:, :, prompt_rows:], key, value, mask, scale).to(query.dtype)
         parts.append(out.transpose(1, 2))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
+
+
+def _additive_causal(keys: int, first: int, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[1, 1, rows, keys]``: 0 where row ``i`` may see key ``j`` (``j <= first + i``), else -inf,
+    what torch's attention makes of the boolean causal mask."""
+    allowed = torch.arange(keys, device=device)[None, :] <= first + torch.arange(rows, device=device)[:, None]
+    return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[None, None]
 
 
 def prompt_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
