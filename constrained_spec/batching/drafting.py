@@ -157,7 +157,11 @@ class DraftGate:
 
     def pays(self, rows: int, drafting_rows: int, fixed_tokens: int) -> bool:
         """Whether drafting pays at this step (each mode's model rate times how it fared)."""
-        return self._pays(self.model_rates(rows, drafting_rows, fixed_tokens) if self.recent else None)
+        return self._pays(self._rates(rows, drafting_rows, fixed_tokens))
+
+    def _rates(self, rows: int, drafting_rows: int, fixed_tokens: int) -> tuple[float, float] | None:
+        """``model_rates``, or None while no draft has been seen."""
+        return self.model_rates(rows, drafting_rows, fixed_tokens) if self.recent else None
 
     def _pays(self, rates: tuple[float, float] | None) -> bool:
         if rates is None:
@@ -167,7 +171,7 @@ class DraftGate:
     def decide(self, rows: int, drafting_rows: int, fixed_tokens: int) -> bool:
         """This step's decision (``pays`` or the probe schedule; ``forced`` overrides both), and
         the schedule moved on."""
-        rates = self.model_rates(rows, drafting_rows, fixed_tokens) if self.recent else None
+        rates = self._rates(rows, drafting_rows, fixed_tokens)
         self.steps += 1
         if self.forced is not None:
             on = self.forced

@@ -173,10 +173,10 @@ class Scheduler:
             self.gate.observe([(self.active[i].decoder.k_policy.survival,  # type: ignore[attr-defined]
                                 p.draft.token_kinds(), p.draft.confidence) for i, p in gated])
         cut = [(i, p) for i, p in gated if p.draft.tokens]
-        survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds(), p.draft.confidence)  # type: ignore[attr-defined]
-                     for i, p in cut]
         if not cut:
             return live
+        survivals = [self.active[i].decoder.k_policy.survival(p.draft.token_kinds(), p.draft.confidence)  # type: ignore[attr-defined]
+                     for i, p in cut]
         fixed_tokens = sum(len(p.tokens) for _, p in live) - sum(len(p.draft.tokens) for _, p in cut) + chunk_tokens
         # The rows' host work is the step's whatever is kept: it lowers the rate a draft must beat.
         host = self.gate.host.plain * len(live) + (self.gate.host.draft * len(gated) if drafted else 0.0)

@@ -292,7 +292,7 @@ def prompt_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         return out.transpose(1, 2).contiguous()
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scale, **(kwargs or {}))
+    out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scale, **extra)
     return out
 
 
