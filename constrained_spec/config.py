@@ -73,12 +73,20 @@ def _switch(raw: str | None) -> bool:
     return _choice(raw, ("on", "off"), "'on'") != "off"
 
 
-#: How the native model's prompt rows attend: "auto" in bfloat16 where its prompt matmuls take bfloat16.
-PROMPT_ATTENTION = ("auto", "float32")
+#: How the native model's prompt rows attend: "auto" in bfloat16 where AMX multiplies it.
+PROMPT_ATTENTION = ("auto", "float32", "bfloat16")
 
 
 def _prompt_attention(raw: str | None) -> str:
     return _choice(raw, PROMPT_ATTENTION, "'auto'") or "auto"
+
+
+#: What the native model's prompt rows are multiplied on (``models.int4``): "auto" picks per CPU.
+PROMPT_LINEARS = ("auto", "int8", "dense")
+
+
+def _prompt_linears(raw: str | None) -> str:
+    return _choice(raw, PROMPT_LINEARS, "'auto'") or "auto"
 
 
 def _cuda_graphs(raw: str | None) -> bool:
@@ -160,10 +168,16 @@ SETTINGS: tuple[Setting, ...] = (
             "(`models.layer_kernels`) where they build; `off` runs torch's ops. One choice per process: the "
             "first load's."),
     Setting("prompt_attention", "CONSTRAINED_SPEC_PROMPT_ATTENTION", "prompt attention", _prompt_attention,
-            "`auto`, `float32`", "`auto`",
-            "How the native model's prompt rows attend: `auto` in bfloat16 where its prompt matmuls run in "
-            "bfloat16 (a CPU with AVX512_BF16 or AMX), `float32` as before (docs/extraction.md has what each "
-            "costs and changes). Read at each load."),
+            "`auto`, `float32`, `bfloat16`", "`auto`",
+            "How the native model's prompt rows attend: `auto` in bfloat16 where AMX multiplies it, else in "
+            "float32; `float32` or `bfloat16` always (docs/extraction.md has what each costs and changes). "
+            "Read at each load."),
+    Setting("prompt_linears", "CONSTRAINED_SPEC_PROMPT_LINEARS", "prompt linears", _prompt_linears,
+            "`auto`, `int8`, `dense`", "`auto`",
+            "What the native model's prompt rows are multiplied on: `int8` on the VNNI kernel with each "
+            "activation rounded to int8 as llama.cpp does (no second copy of the weights), `dense` on a "
+            "bfloat16 (or float32) copy of the weights, `auto` `dense` where AMX multiplies bfloat16 and "
+            "`int8` elsewhere (docs/extraction.md has what each costs and changes). Read at each load."),
     Setting("cuda_graphs", "CONSTRAINED_SPEC_CUDA_GRAPHS", "CUDA graphs switch", _cuda_graphs,
             "`on`, `1`, `true`, `yes`, `off`, `0`, `false`, `no` (any case)", "`on`",
             "A batch-invariant model on a GPU replays its decode and verify forwards as CUDA graphs "
@@ -240,8 +254,10 @@ class RuntimeConfig:
     output_kernel: OutputKernel | None = None
     attention_kernel: bool = True
     layer_kernels: bool = True
-    #: "auto" (bfloat16 where the prompt matmuls take it) or "float32".
+    #: "auto" (bfloat16 where AMX multiplies it), "float32" or "bfloat16".
     prompt_attention: str = "auto"
+    #: "auto" (per CPU), "int8" or "dense".
+    prompt_linears: str = "auto"
     cuda_graphs: bool = True
     #: "auto", "off" or a fixed thread count.
     threads: str | int = "auto"
@@ -264,6 +280,7 @@ class RuntimeConfig:
         for name in ("attention_kernel", "layer_kernels", "cuda_graphs"):
             check(name, isinstance(getattr(self, name), bool), "True or False")
         check("prompt_attention", self.prompt_attention in PROMPT_ATTENTION, f"one of {_quoted(PROMPT_ATTENTION)}")
+        check("prompt_linears", self.prompt_linears in PROMPT_LINEARS, f"one of {_quoted(PROMPT_LINEARS)}")
         check("threads", self.threads in ("auto", "off") or (type(self.threads) is int and self.threads > 0),
               "'auto', 'off' or a positive thread count")
         check("cache_dir", self.cache_dir is None or isinstance(self.cache_dir, (str, os.PathLike)), "None or a folder")

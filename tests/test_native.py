@@ -167,18 +167,18 @@ def test_prompt_rows_are_multiplied_in_bfloat16_only_where_the_cpu_has_it(monkey
             int4.bfloat16_matmul_in_hardware.cache_clear()
 
 
-def test_prompt_rows_attend_in_the_prompt_matmuls_dtype_unless_float32_is_asked_for():
-    """``prompt_attention="auto"``: the native model's prompt rows attend in bfloat16 where its
-    prompt matmuls take bfloat16 (``float32``: as before); decode rows are untouched. Where the
-    CPU has bfloat16, the two settings give another prompt pass (the switch does something) and
-    the same one-token step after the same keys."""
+def test_prompt_rows_attend_in_bfloat16_where_amx_multiplies_it_unless_float32_is_asked_for():
+    """``prompt_attention="auto"``: the native model's prompt rows attend in bfloat16 where AMX
+    multiplies it (``float32``: as before, and ``auto`` elsewhere); decode rows are untouched.
+    Where the CPU has AMX, the two settings give another prompt pass (the switch does something)
+    and the same one-token step after the same keys."""
     from constrained_spec.config import RuntimeConfig
     from constrained_spec.models.growing_cache import growing_cache
-    from constrained_spec.models.int4 import prompt_matmul_dtype
+    from constrained_spec.models.int4 import amx_bfloat16
 
     handles = {name: load_model(precision="native", config=RuntimeConfig(prompt_attention=name))
                for name in ("auto", "float32")}
-    bf16 = prompt_matmul_dtype() == torch.bfloat16
+    bf16 = amx_bfloat16()
     for name, handle in handles.items():
         attention = [m for m in handle.model.modules() if type(m).__name__.endswith("Attention")]
         want = torch.bfloat16 if name == "auto" and bf16 else None
@@ -469,3 +469,65 @@ def test_bfloat16_load_is_batch_invariant(smol):
     bucketed = [m for m in bf16.model.modules() if isinstance(m, BucketedLinear)]
     assert len(bucketed) == 7 * bf16.model.config.num_hidden_layers + 1
     assert bf16.model.get_output_embeddings().weight.dtype == torch.bfloat16
+
+
+@torch.no_grad()
+def test_int8_prompt_rows_run_the_kernel_with_one_int8_part_and_keep_no_dense_copy():
+    """``prompt_linears="int8"``: every layer's prompt rows are the VNNI kernel's rows with each
+    activation rounded to one int8 part (exactly ``q4_1_mm(..., split=False)``), the other rows
+    of the same call are the decode kernel's; no bfloat16 copy of the weights is made or packed
+    after a prompt pass ("dense" keeps one); the two paths give different prompt logits (the
+    switch does something) and a prompt's chunks give the same keys in one forward as one
+    forward each, bit for bit."""
+    from constrained_spec.config import RuntimeConfig
+    from constrained_spec.models import q4_vnni
+    from constrained_spec.models.growing_cache import growing_cache
+    from constrained_spec.models.int4 import Int4Linear
+
+    if q4_vnni.kernel() == "torch":
+        pytest.skip("no VNNI kernel here: int8 prompt rows need it")
+    handles = {name: load_model(precision="native", config=RuntimeConfig(prompt_linears=name))
+               for name in ("int8", "dense")}
+    model = handles["int8"].model
+    prompt = torch.randint(100, 49152, (1, 300), generator=torch.Generator().manual_seed(5))
+
+    chunks = (128, 77, 95)
+
+    def prompt_pass(m, alone=False):
+        """The prompt as three chunks (``decoding.prefix``): in one forward, or one forward each."""
+        cache = growing_cache(m.config.num_hidden_layers, torch.float64)
+        if not alone:
+            starts = [sum(chunks[:i]) for i in range(len(chunks))]
+            logits = m(input_ids=prompt, cache=cache, use_cache=True, prompt_rows=list(zip(starts, chunks))).logits
+            return logits[:, -1], cache
+        at = 0
+        for n in chunks:
+            logits = m(input_ids=prompt[:, at:at + n], cache=cache, use_cache=True, prompt_rows=n).logits
+            at += n
+        return logits[:, -1], cache
+
+    whole, cache = prompt_pass(model)
+    layers = {name: [m for m in h.model.modules() if isinstance(m, Int4Linear)] for name, h in handles.items()}
+    assert all(m.prompt_int8 and m.prompt_weight is None and m.prompt_blocks is None for m in layers["int8"])
+    prompt_pass(handles["dense"].model)
+    assert all(not m.prompt_int8 and (m.prompt_weight is not None or m.prompt_blocks is not None)
+               for m in layers["dense"])
+    assert not torch.equal(whole, prompt_pass(handles["dense"].model)[0])
+    chunked, chunked_cache = prompt_pass(model, alone=True)
+    assert torch.equal(whole, chunked)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(cache.layers[layer].keys, chunked_cache.layers[layer].keys)
+        assert torch.equal(cache.layers[layer].values, chunked_cache.layers[layer].values)
+
+    # One layer alone: 7 prompt rows then 3 decode rows in one call.
+    layer = layers["int8"][0]
+    x = torch.randn(1, 10, layer.in_features, generator=torch.Generator().manual_seed(6))
+    layer.rows.segments = [(0, 7)]
+    try:
+        out = layer(x)
+    finally:
+        layer.rows.segments = []
+    rows = x[0]
+    assert torch.equal(out[0, :7], q4_vnni.q4_1_mm(rows[:7], layer.vnni_packed, layer.vnni_scales, False))
+    assert torch.equal(out[0, 7:], q4_vnni.q4_1_mm(rows[7:], layer.vnni_packed, layer.vnni_scales, layer.vnni_split))
+    assert not torch.equal(out[0, :7], q4_vnni.q4_1_mm(rows[:7], layer.vnni_packed, layer.vnni_scales, True))

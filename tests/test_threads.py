@@ -123,21 +123,28 @@ def test_a_busy_neighbour_on_one_of_two_cores_leaves_one_thread():
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_native_forwards_give_the_same_bits_at_any_thread_count(monkeypatch):
-    """What lets the governor change the count mid-request: the prompt pass (dense prompt rows
-    among them, run at the governor's most threads whatever it chose), decode and verify passes
-    give the same logits at one thread as at two. (Without ``at_dense_threads`` the 300-row
-    prompt's logits differed here, on an Intel Xeon with AMX.)"""
+@pytest.mark.parametrize("prompt_linears", ["dense", "int8"])
+def test_native_forwards_give_the_same_bits_at_any_thread_count(monkeypatch, prompt_linears):
+    """What lets the governor change the count mid-request: the prompt pass (its prompt rows on
+    the dense path, run at the governor's most threads whatever it chose, or on the int8 kernel),
+    decode and verify passes give the same logits at one thread as at two. (Without
+    ``at_dense_threads`` the 300-row prompt's logits differed here, on an Intel Xeon with AMX.)"""
+    from constrained_spec.config import RuntimeConfig
+    from constrained_spec.models import q4_vnni
     from constrained_spec.models.growing_cache import growing_cache
-    from constrained_spec.models.int4 import MIN_DENSE_ROWS, prompt_matmul_dtype
+    from constrained_spec.models.int4 import MIN_DENSE_ROWS, Int4Linear, prompt_matmul_dtype
     from constrained_spec.models.loading import load_model
 
-    model = load_model(precision="native").model
+    if prompt_linears == "int8" and q4_vnni.kernel() == "torch":
+        pytest.skip("no VNNI kernel here: int8 prompt rows need it")
+    model = load_model(precision="native", config=RuntimeConfig(prompt_linears=prompt_linears)).model
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert layers and all(m.prompt_int8 is (prompt_linears == "int8") for m in layers)
     before = torch.get_num_threads()
     monkeypatch.setattr(threads, "_GOVERNOR", ThreadGovernor(max(2, before)))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 49152, (1, 300), generator=g)
-    assert prompt.shape[1] - 1 >= MIN_DENSE_ROWS[prompt_matmul_dtype()]  # the dense path is taken
+    assert prompt.shape[1] - 1 >= MIN_DENSE_ROWS[prompt_matmul_dtype()]  # the dense path is taken where asked
     steps = [torch.randint(100, 49152, (1, k), generator=g) for k in (1, 4, 13)]
 
     def run(n: int) -> list[torch.Tensor]:

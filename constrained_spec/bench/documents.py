@@ -22,6 +22,7 @@ are ``DocConfig`` entries in ``configs``.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -231,17 +232,44 @@ def score_facts(value: Any, truth: dict[str, Any]) -> tuple[int, int]:
 @dataclass(frozen=True)
 class DocConfig:
     """One native row: ``generate_json``'s drafter and draft, and any other options (``options``:
-    keyword overrides, e.g. to select the path before a change as a row of its own)."""
+    keyword overrides, e.g. to select the path before a change as a row of its own); ``model``:
+    the handle this row runs on where it is not the bench's (the same file loaded otherwise)."""
 
     name: str
     drafter: str
     draft: Any = None
     options: dict[str, Any] = field(default_factory=dict)
+    model: ModelHandle | None = None
 
 
 def default_configs() -> list[DocConfig]:
     """Target-only (the baseline, first) and auto, the default a new user gets."""
     return [DocConfig(BASELINE, "none"), DocConfig("native auto", "auto")]
+
+
+def runtime_config_rows(handle: ModelHandle, overrides: Iterable[str]) -> list[DocConfig]:
+    """The default rows, then target-only and auto again on the embedded model loaded with each of
+    ``overrides``: ``RuntimeConfig`` fields as ``field=value`` pairs joined by commas (e.g.
+    ``prompt_linears=dense,prompt_attention=bfloat16``, values as the variables take them): the
+    path before a change side by side with the current one, in one run."""
+    from ..config import RuntimeConfig
+    from ..models import load_model
+    from ..models.loading import DEFAULT_MODEL_NAME
+
+    if handle.native_precision is None or not handle.name.startswith(DEFAULT_MODEL_NAME):
+        raise ValueError("Invalid --row-config: it compares settings of the native embedded model.")
+    configs = default_configs()
+    for text in overrides:
+        pairs = dict(pair.split("=", 1) for pair in text.split(",") if "=" in pair)
+        if not pairs or len(pairs) != len(text.split(",")):
+            raise ValueError(f"Invalid --row-config {text!r}: expected field=value pairs joined by commas.")
+        try:
+            config = dataclasses.replace(RuntimeConfig.from_env(), **pairs)
+        except TypeError as e:
+            raise ValueError(f"Invalid --row-config {text!r}: {e}") from None
+        other = load_model(precision=handle.native_precision, config=config)
+        configs += [DocConfig(f"{c.name}, {text}", c.drafter, c.draft, c.options, other) for c in default_configs()]
+    return configs
 
 
 @dataclass
@@ -321,7 +349,8 @@ def _native_run(handle: ModelHandle, schema: JsonSchema, config: DocConfig, prom
                 max_new_tokens: int) -> Run:
     """One native request, streamed so its first piece of text is timed from the caller's side."""
     t0 = time.perf_counter()
-    stream = generate_json(handle, schema, prompt, drafter=config.drafter, draft=config.draft,  # type: ignore[arg-type]
+    stream = generate_json(config.model or handle, schema, prompt, drafter=config.drafter,  # type: ignore[arg-type]
+                           draft=config.draft,
                            max_new_tokens=max_new_tokens, stream=True,
                            **{"prefix_cache": False, **config.options})
     first, error = None, None
@@ -466,7 +495,7 @@ def _warm_up(handle: ModelHandle, schema: JsonSchema, configs: list[DocConfig]) 
     """Compile the schema and run each row once on a short prompt, so no row pays first-call costs."""
     for config in configs:
         try:
-            generate_json(handle, schema, "The package foo is a MIT-licensed Python library for bars.",
+            generate_json(config.model or handle, schema, "The package foo is a MIT-licensed Python library for bars.",
                           drafter=config.drafter, draft=config.draft, max_new_tokens=48,  # type: ignore[arg-type]
                           **{"prefix_cache": False, **config.options})
         except ConstrainedSpecError:

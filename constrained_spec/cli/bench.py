@@ -254,12 +254,15 @@ def _profile(*, model: Optional[str], dtype: Optional[str], precision: Optional[
 
 
 def _documents(*, model: Optional[str], limit: Optional[int], max_new_tokens: int, llama_cpp: bool,
-               json_out: Optional[Path]) -> None:
+               row_configs: list[str], json_out: Optional[Path]) -> None:
     """Long documents, one request each: prompt speed, time to first token, whole requests (``bench.documents``)."""
-    from ..bench.documents import BUCKETS, run_documents_bench
+    from ..bench.documents import BUCKETS, run_documents_bench, runtime_config_rows
+    from ..models import resolve_model
 
-    report = run_documents_bench(model, limit=limit, max_new_tokens=max_new_tokens, llama_cpp=llama_cpp,
-                                 progress=lambda line: err.print(f"[dim]{line}[/]"))
+    handle = resolve_model(model)
+    configs = runtime_config_rows(handle, row_configs) if row_configs else None
+    report = run_documents_bench(handle, configs=configs, limit=limit, max_new_tokens=max_new_tokens,
+                                 llama_cpp=llama_cpp, progress=lambda line: err.print(f"[dim]{line}[/]"))
     tokens = report["prompt_tokens"]
     table = Table(title=f"{report['model']}: {len(report['documents'])} package descriptions ({tokens['min']}-"
                         f"{tokens['max']} prompt tokens, {tokens['total']} in all), one request each, cold, greedy, "
@@ -438,14 +441,19 @@ def documents_cmd(
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N documents (the shortest)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     llama_cpp: bool = LlamaCppOpt,
+    row_configs: Optional[list[str]] = typer.Option(
+        None, "--row-config",
+        help="Also run target-only and auto on the embedded model loaded with these runtime settings, as "
+             "field=value pairs joined by commas (repeatable; e.g. prompt_linears=dense,prompt_attention=auto: "
+             "the prompt path before int8 prompt rows)."),
     json_out: Optional[Path] = JsonOpt,
 ) -> None:
     """Long documents (12 installed packages' descriptions, 500-4,500 prompt tokens), one request each: prompt tokens/s, time to first token and whole-request time, native against llama.cpp on the same GGUF file.
 
-    Example: constrained-spec bench documents --json documents.json
+    Example: constrained-spec bench documents --row-config prompt_linears=dense --json documents.json
     """
     _run_guarded(lambda: _documents(model=model, limit=limit, max_new_tokens=max_new_tokens, llama_cpp=llama_cpp,
-                                    json_out=json_out))
+                                    row_configs=list(row_configs or []), json_out=json_out))
 
 
 _CORPUS_HELP = "Folder of <Subset>.jsonl schemas (+ valid_instances/), e.g. ../shared/data/jsonschemabench."

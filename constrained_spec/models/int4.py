@@ -23,6 +23,13 @@ float32 matmul of a prompt's shapes, accumulated in float32), else a float32 one
 weights widened once per forward (docs/performance.md has the figures). The bfloat16 one runs in
 blocks packed by oneDNN at the first prompt (``models.dense_blocks``: the same bits at any thread
 count), which then replace the bfloat16 copy.
+
+A layer with the VNNI layout may instead take its prompt rows on that kernel with each
+activation rounded to one int8 part, llama.cpp's arithmetic (``prompt_int8``, chosen at load by
+``int8_prompt_rows``): faster than oneDNN's bfloat16 matmul on a CPU without AMX, every row
+computed alone (so a prompt's bits do not depend on how it is chunked or what is beside it), and
+no second copy of the weights. Where AMX multiplies bfloat16 the dense blocks are about twice as
+fast and stay the default (docs/extraction.md, "Prompt rows on the integer kernel").
 """
 
 from __future__ import annotations
@@ -71,6 +78,22 @@ def bfloat16_matmul_in_hardware() -> bool:
     # oneDNN must be built with bfloat16 too (a private query; a torch without it: assume so).
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(supported()) if supported is not None else True
+
+
+def amx_bfloat16() -> bool:
+    """Whether AMX multiplies bfloat16 here (and oneDNN with it): where the bfloat16 prompt paths
+    beat the integer kernel and float32 attention (docs/extraction.md)."""
+    return "amx_bf16" in _cpu_flags() and bfloat16_matmul_in_hardware()
+
+
+def int8_prompt_rows(asked: str, vnni: bool) -> bool:
+    """Whether a native model's prompt rows take the VNNI kernel with int8 activations, for
+    ``RuntimeConfig.prompt_linears`` ``asked`` and layers that have the VNNI layout (``vnni``):
+    ``auto`` chooses it except where AMX multiplies bfloat16 (read from the flags, not timed, so
+    the choice and a prompt's bits are the same in every run on one machine)."""
+    if not vnni or asked == "dense":
+        return False
+    return asked == "int8" or not amx_bfloat16()
 
 
 def prompt_matmul_dtype() -> torch.dtype:
@@ -129,6 +152,7 @@ class Int4Linear(nn.Module):
         self.prompt_weight = prompt_weight
         self.prompt_blocks: PackedLinear | None = None
         self.prompt_dtype = prompt_matmul_dtype()
+        self.prompt_int8 = False
         self.rows: Any = None
 
     @staticmethod
@@ -149,6 +173,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., K]`` -> ``[..., N]`` in ``x``'s dtype."""
+        if self.rows is not None and self.prompt_int8 and self.vnni_packed is not None:
+            return self.rows.apply(x, self._int8_rows, self._kernel)
         if self.rows is not None and (self.prompt_weight is not None or self.prompt_blocks is not None):
             dense: list[torch.Tensor] = []  # the weights in prompt_dtype, converted once for all of a forward's chunks
 
@@ -191,6 +217,11 @@ class Int4Linear(nn.Module):
             return q4_vnni.q4_1_mm(x.reshape(-1, self.in_features), self.vnni_packed, self.vnni_scales, self.vnni_split)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros)
+
+    def _int8_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows on the VNNI kernel, each activation rounded to one int8 part."""
+        y = q4_vnni.q4_1_mm(x.reshape(-1, self.in_features), self.vnni_packed, self.vnni_scales, False)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel_bfloat16(x).to(x.dtype).reshape(*x.shape[:-1], self.out_features)

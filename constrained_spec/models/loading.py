@@ -139,6 +139,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     float32 matrix ("native-exact"; see ``models.q8_output``); the kernels as ``config`` asks."""
     from . import attention_kernel, layer_kernels, q4_vnni, q8_output
     from .invariant import make_batch_invariant
+    from .int4 import Int4Linear
     from .native import fuse_projections, install_int4, install_q8_output, load_int4, q4_1_linears, save_int4
     from .native_decode import install_native_decode
 
@@ -157,7 +158,8 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
         output = pool.submit(q8_output.kernel, config.output_kernel).result() if precision == "native" else "exact"
         linears = linears_job.result()
     vnni, split = linears != "torch", linears == "vnni"
-    key = ("None", precision, str(device), linears, output, config.prompt_attention)
+    prompt_int8 = _int8_prompt_rows(config, vnni)
+    key = ("None", precision, str(device), linears, output, config.prompt_attention, prompt_int8)
     if key in _LOADED:
         return _LOADED[key]
     from transformers import LlamaForCausalLM
@@ -173,16 +175,21 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
         tmp = packed.with_suffix(f".{os.getpid()}.tmp")
         save_int4(layers, tmp)
         os.replace(tmp, packed)
-    fuse_projections(install_int4(model, layers))
+    fuse_projections(install_int4(model, layers, prompt_weights=not prompt_int8))
     if precision == "native":
         cache = "q8_output.safetensors" if output == "torch" else f"q8_output-vnni{q8_output.LAYOUT}.safetensors"
         install_q8_output(model, _default_gguf_dir() / DEFAULT_MODEL_FILE, cached / cache, output)
     make_batch_invariant(model)
+    if prompt_int8:
+        for module in model.modules():
+            if isinstance(module, Int4Linear):
+                module.prompt_int8 = True
     _set_prompt_attention(model, config)
     install_native_decode(model)
     # The name tells the kernels apart: learned K costs and histories are kept by it.
     parts = ["native Q4_1", {"exact": "exact Q8_0 output", "vnni": "VNNI output", "torch": ""}[output],
-             {"torch": "", "vnni": "VNNI linears", "vnni-int8": "VNNI int8 linears"}[linears]]
+             {"torch": "", "vnni": "VNNI linears", "vnni-int8": "VNNI int8 linears"}[linears],
+             "int8 prompts" if prompt_int8 else ""]
     name = f"{DEFAULT_MODEL_NAME} ({', '.join(p for p in parts if p)})"
     handle = ModelHandle(model, tokenizer, name, native_precision=precision,
                          gguf_file=_default_gguf_dir() / DEFAULT_MODEL_FILE)
@@ -191,15 +198,29 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     return handle
 
 
-def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:
-    """Let the native model's prompt rows attend in bfloat16 where its prompt matmuls already take
-    bfloat16 (``models.int4.prompt_matmul_dtype``) and ``config`` does not ask for float32: the
-    same per-chunk calls, so a chunk's keys are still the same bits alone, in a batch or from
-    the prefix cache (``models.invariant``), at a fraction of float32's cost over a long
-    document (docs/extraction.md, "Measured: long documents")."""
-    from .int4 import prompt_matmul_dtype
+def _int8_prompt_rows(config: RuntimeConfig, vnni: bool) -> bool:
+    """``models.int4.int8_prompt_rows`` for ``config``, with a warning where int8 prompt rows were
+    asked for by name and the linears run torch's kernel, which has no int8 form."""
+    from .int4 import int8_prompt_rows
 
-    if config.prompt_attention == "auto" and prompt_matmul_dtype() == torch.bfloat16:
+    if config.prompt_linears == "int8" and not vnni:
+        import warnings
+
+        warnings.warn("CONSTRAINED_SPEC_PROMPT_LINEARS=int8 needs the VNNI linears; prompt rows run dense.",
+                      stacklevel=3)
+    return int8_prompt_rows(config.prompt_linears, vnni)
+
+
+def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:
+    """Let the native model's prompt rows attend in bfloat16 where ``config`` asks for it, or
+    leaves it to the machine (``auto``) and AMX multiplies it: the same per-chunk calls, so a chunk's keys are still
+    the same bits alone, in a batch or from the prefix cache (``models.invariant``). With AMX
+    bfloat16 attention is a fraction of float32's cost over a long document; with AVX512_BF16
+    alone torch's bfloat16 attention is slower than its float32 (docs/extraction.md, "Measured:
+    long documents")."""
+    from .int4 import amx_bfloat16
+
+    if config.prompt_attention == "bfloat16" or (config.prompt_attention == "auto" and amx_bfloat16()):
         for module in model.modules():
             if type(module).__name__.endswith("Attention"):
                 module.prompt_attention_dtype = torch.bfloat16

@@ -60,10 +60,11 @@ def q4_1_linears(gguf_path: Path | str, config: Any, vnni: bool = False, vnni_sp
     return out
 
 
-def install_int4(model: Any, linears: dict[str, Int4Linear]) -> Any:
+def install_int4(model: Any, linears: dict[str, Int4Linear], prompt_weights: bool = True) -> Any:
     """Replace ``model``'s linear layers by the given ``Int4Linear`` modules (in place), checking
-    shapes. Each keeps the replaced layer's weights (the stored ones, dequantized) in bfloat16 as
-    its ``prompt_weight`` (``models.int4``: prompt rows on a dense matmul)."""
+    shapes. With ``prompt_weights``, each keeps the replaced layer's weights (the stored ones,
+    dequantized) in bfloat16 as its ``prompt_weight`` (``models.int4``: prompt rows on a dense
+    matmul); without, prompt rows take the kernel and no such copy is made."""
     for name, module in linears.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -71,7 +72,8 @@ def install_int4(model: Any, linears: dict[str, Int4Linear]) -> Any:
         if (old.out_features, old.in_features) != (module.out_features, module.in_features):
             raise ModelLoadError(f"Native precision: {name} is {tuple(old.weight.shape)} in the model, "
                                  f"({module.out_features}, {module.in_features}) in the GGUF.")
-        module.prompt_weight = old.weight.detach().to(torch.bfloat16)
+        if prompt_weights:
+            module.prompt_weight = old.weight.detach().to(torch.bfloat16)
         setattr(parent, child, module)
     return model
 
