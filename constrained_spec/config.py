@@ -81,7 +81,7 @@ def _prompt_attention(raw: str | None) -> str:
     return _choice(raw, PROMPT_ATTENTION, "'auto'") or "auto"
 
 
-#: What the native model's prompt rows are multiplied on (``models.int4``): "auto" picks per CPU.
+#: What the native model's prompt rows are multiplied on (``models.int4``): "auto" is "dense".
 PROMPT_LINEARS = ("auto", "int8", "dense")
 
 
@@ -174,10 +174,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Read at each load."),
     Setting("prompt_linears", "CONSTRAINED_SPEC_PROMPT_LINEARS", "prompt linears", _prompt_linears,
             "`auto`, `int8`, `dense`", "`auto`",
-            "What the native model's prompt rows are multiplied on: `int8` on the VNNI kernel with each "
-            "activation rounded to int8 as llama.cpp does (no second copy of the weights), `dense` on a "
-            "bfloat16 (or float32) copy of the weights, `auto` `dense` where AMX multiplies bfloat16 and "
-            "`int8` elsewhere (docs/extraction.md has what each costs and changes). Read at each load."),
+            "What the native model's prompt rows are multiplied on: `auto` and `dense` on a bfloat16 (or "
+            "float32) copy of the weights, `int8` on the VNNI kernel with each activation rounded to int8 as "
+            "llama.cpp does: faster without AMX and no second copy, further from the float32 model's outputs "
+            "(docs/extraction.md has what each costs and changes). Read at each load."),
     Setting("cuda_graphs", "CONSTRAINED_SPEC_CUDA_GRAPHS", "CUDA graphs switch", _cuda_graphs,
             "`on`, `1`, `true`, `yes`, `off`, `0`, `false`, `no` (any case)", "`on`",
             "A batch-invariant model on a GPU replays its decode and verify forwards as CUDA graphs "
@@ -256,7 +256,7 @@ class RuntimeConfig:
     layer_kernels: bool = True
     #: "auto" (bfloat16 where AMX multiplies it), "float32" or "bfloat16".
     prompt_attention: str = "auto"
-    #: "auto" (per CPU), "int8" or "dense".
+    #: "auto" (the same as "dense") or "int8".
     prompt_linears: str = "auto"
     cuda_graphs: bool = True
     #: "auto", "off" or a fixed thread count.

@@ -25,11 +25,11 @@ blocks packed by oneDNN at the first prompt (``models.dense_blocks``: the same b
 count), which then replace the bfloat16 copy.
 
 A layer with the VNNI layout may instead take its prompt rows on that kernel with each
-activation rounded to one int8 part, llama.cpp's arithmetic (``prompt_int8``, chosen at load by
-``int8_prompt_rows``): faster than oneDNN's bfloat16 matmul on a CPU without AMX, every row
-computed alone (so a prompt's bits do not depend on how it is chunked or what is beside it), and
-no second copy of the weights. Where AMX multiplies bfloat16 the dense blocks are about twice as
-fast and stay the default (docs/extraction.md, "Prompt rows on the integer kernel").
+activation rounded to one int8 part, llama.cpp's arithmetic (``prompt_int8``, set at load where
+``RuntimeConfig.prompt_linears`` asks for ``int8``): faster than oneDNN's bfloat16 matmul on a
+CPU without AMX, every row computed alone, and no second copy of the weights; but it moves the
+model further from its float32 outputs than bfloat16 does, so it is not the default (where AMX
+multiplies bfloat16 the dense blocks are also about twice as fast; docs/extraction.md).
 """
 
 from __future__ import annotations
@@ -89,11 +89,10 @@ def amx_bfloat16() -> bool:
 def int8_prompt_rows(asked: str, vnni: bool) -> bool:
     """Whether a native model's prompt rows take the VNNI kernel with int8 activations, for
     ``RuntimeConfig.prompt_linears`` ``asked`` and layers that have the VNNI layout (``vnni``):
-    ``auto`` chooses it except where AMX multiplies bfloat16 (read from the flags, not timed, so
-    the choice and a prompt's bits are the same in every run on one machine)."""
-    if not vnni or asked == "dense":
-        return False
-    return asked == "int8" or not amx_bfloat16()
+    only where asked for by name. ``auto`` keeps the dense path: one int8 part per activation
+    changed about one extracted record in six and lost fields against the float32 model, for
+    about 12% more prompt speed on a CPU without AMX (docs/extraction.md)."""
+    return vnni and asked == "int8"
 
 
 def prompt_matmul_dtype() -> torch.dtype:

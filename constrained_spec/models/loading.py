@@ -216,7 +216,7 @@ def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:
     leaves it to the machine (``auto``) and AMX multiplies it: the same per-chunk calls, so a chunk's keys are still
     the same bits alone, in a batch or from the prefix cache (``models.invariant``). With AMX
     bfloat16 attention is a fraction of float32's cost over a long document; with AVX512_BF16
-    alone torch's bfloat16 attention is slower than its float32 (docs/extraction.md, "Measured:
+    alone torch's bfloat16 attention was no faster than its float32 (docs/extraction.md, "Measured:
     long documents")."""
     from .int4 import amx_bfloat16
 
