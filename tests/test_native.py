@@ -167,18 +167,19 @@ def test_prompt_rows_are_multiplied_in_bfloat16_only_where_the_cpu_has_it(monkey
             int4.bfloat16_matmul_in_hardware.cache_clear()
 
 
-def test_prompt_rows_attend_in_bfloat16_where_amx_multiplies_it_unless_float32_is_asked_for():
+def test_prompt_rows_attend_in_bfloat16_where_the_cpu_multiplies_it_fast_unless_float32_is_asked_for():
     """``prompt_attention="auto"``: the native model's prompt rows attend in bfloat16 where AMX
-    multiplies it (``float32``: as before, and ``auto`` elsewhere); decode rows are untouched.
-    Where the CPU has AMX, the two settings give another prompt pass (the switch does something)
-    and the same one-token step after the same keys."""
+    multiplies it or the bfloat16 prompt kernel runs (``float32``: as before, and ``auto``
+    elsewhere); decode rows are untouched. Where they do, the two settings give another prompt
+    pass (the switch does something) and the same one-token step after the same keys."""
     from constrained_spec.config import RuntimeConfig
     from constrained_spec.models.growing_cache import growing_cache
+    from constrained_spec.models import prompt_attention_kernel
     from constrained_spec.models.int4 import amx_bfloat16
 
     handles = {name: load_model(precision="native", config=RuntimeConfig(prompt_attention=name))
                for name in ("auto", "float32")}
-    bf16 = amx_bfloat16()
+    bf16 = amx_bfloat16() or prompt_attention_kernel.available()
     for name, handle in handles.items():
         attention = [m for m in handle.model.modules() if type(m).__name__.endswith("Attention")]
         want = torch.bfloat16 if name == "auto" and bf16 else None

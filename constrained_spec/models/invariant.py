@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import attention_kernel, layer_kernels
+from . import attention_kernel, layer_kernels, prompt_attention_kernel
 
 IMPLEMENTATION = "constrained_spec_invariant"
 #: Rows per matmul call of a ``BucketedLinear``: a verify pass holds the last token and at most
@@ -236,11 +236,24 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     # Prompt rows in the dtype the model's prompt matmuls take (``prompt_attention_dtype``, set
     # at load; None: the query's), the keys converted once for every chunk of the forward.
     prompt_dtype = getattr(module, "prompt_attention_dtype", None) or query.dtype
-    if segments:
+    kernel = (prompt_dtype == torch.bfloat16 and not dropout and _plain_attention(kwargs)
+              and prompt_attention_kernel.usable(query, key))
+    if segments and not kernel:
         prompt_keys = key[:, :, : past + prompt_rows].to(prompt_dtype)
         prompt_values = value[:, :, : past + prompt_rows].to(prompt_dtype)
     for chunk, (start, rows) in enumerate(segments):  # each prompt chunk on its own keys (decoding.prefix)
         keys = past + start + rows
+        if kernel and (attention_mask is None
+                       or _causal(attention_mask[..., start : start + rows, :keys], past + start)):
+            # Bfloat16 on the CPU's pair instruction, row by row (models.prompt_attention_kernel).
+            out = prompt_attention_kernel.attend(query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys],
+                                          past + start, scale)
+            parts.append(out.to(query.dtype))
+            continue
+        if kernel:  # a mask of another shape (padding): torch's kernel on bfloat16 copies
+            kernel = False
+            prompt_keys = key[:, :, : past + prompt_rows].to(prompt_dtype)
+            prompt_values = value[:, :, : past + prompt_rows].to(prompt_dtype)
         if attention_mask is not None:
             mask = attention_mask[..., start : start + rows, :keys]
         elif past + start:  # a chunk after others: causal over the keys before it too
@@ -266,6 +279,26 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         out = attend_new_rows(query[:, :, prompt_rows:], key, value, mask, scale).to(query.dtype)
         parts.append(out.transpose(1, 2))
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).contiguous(), None
+
+
+def _plain_attention(kwargs: dict[str, Any]) -> bool:
+    """Whether the attention call asks for nothing beyond scaled causal attention (no sliding
+    window, logit soft cap or position bias)."""
+    return all(kwargs.get(name) is None for name in ("sliding_window", "softcap", "position_bias", "s_aux"))
+
+
+def _causal(mask: torch.Tensor, first: int) -> bool:
+    """Whether ``mask`` (``[1, 1, rows, keys]``, boolean or additive) lets row ``i`` see exactly
+    keys ``0 .. first + i``: the masks a request's own pass and a packed step give a prompt chunk
+    (a padded batch's are not)."""
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
+        return False
+    rows, keys = mask.shape[-2:]
+    allowed = torch.arange(keys, device=mask.device)[None, :] <= first + torch.arange(rows, device=mask.device)[:, None]
+    if mask.dtype == torch.bool:
+        return torch.equal(mask[0, 0], allowed)
+    # Additive: 0 where seen, and at most the dtype's lowest where hidden (its weight is 0).
+    return bool(torch.equal(mask[0, 0] == 0, allowed) and (mask[0, 0][~allowed] <= torch.finfo(mask.dtype).min).all())
 
 
 def _additive_causal(keys: int, first: int, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

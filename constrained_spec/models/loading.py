@@ -218,9 +218,11 @@ def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:
     bfloat16 attention is a fraction of float32's cost over a long document; with AVX512_BF16
     alone torch's bfloat16 attention was no faster than its float32 (docs/extraction.md, "Measured:
     long documents")."""
+    from . import prompt_attention_kernel
     from .int4 import amx_bfloat16
 
-    if config.prompt_attention == "bfloat16" or (config.prompt_attention == "auto" and amx_bfloat16()):
+    fast = amx_bfloat16() or prompt_attention_kernel.available()
+    if config.prompt_attention == "bfloat16" or (config.prompt_attention == "auto" and fast):
         for module in model.modules():
             if type(module).__name__.endswith("Attention"):
                 module.prompt_attention_dtype = torch.bfloat16

@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -18,6 +19,7 @@ constexpr int GROUP = 32;         // weights of a Q4_1 block
 constexpr int BLOCK_BYTES = 512;  // nibbles of 32 columns (two blocks of 16) x 32 weights
 
 constexpr int SPLIT = 254;        // the second part's scale against the first's
+constexpr int64_t ROW_PASS = 128;  // rows a pass over a thread's columns (see multiply)
 
 struct Rows {
   const int8_t* q;   // [M, K] activations as int8
@@ -122,9 +124,13 @@ template <bool SPLIT_ROWS>
 void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, const uint8_t* wp, const float* sp,
               float* yp) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  // Threads split the columns, never a row's sum: the split changes no bit.
+  // Threads split the columns, never a row's sum: the split changes no bit. Rows go ROW_PASS at a
+  // time through all of a thread's columns, so their activations stay in the core's cache (a
+  // long prompt's do not fit); a row's arithmetic is the same in any pass.
   at::parallel_for(0, NP, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(M * 2 * COLS);
+    std::vector<float> acc(std::min(M, ROW_PASS) * 2 * COLS);
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_PASS) {
+    const int64_t rn = std::min(ROW_PASS, M - r0);
     for (int64_t pair = begin; pair < end; ++pair) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t g = 0; g < G; ++g) {
@@ -144,19 +150,20 @@ void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, con
           d[c] = _mm512_loadu_ps(sc + 2 * c * COLS);
           m[c] = _mm512_loadu_ps(sc + (2 * c + 1) * COLS);
         }
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) rows_block<4, SPLIT_ROWS>(b, rows, r, g, d, m, acc.data() + r * 2 * COLS);
-        float* a = acc.data() + r * 2 * COLS;
-        switch (M - r) {
+        int64_t r = r0;
+        for (; r + 4 <= r0 + rn; r += 4) rows_block<4, SPLIT_ROWS>(b, rows, r, g, d, m, acc.data() + (r - r0) * 2 * COLS);
+        float* a = acc.data() + (r - r0) * 2 * COLS;
+        switch (r0 + rn - r) {
           case 3: rows_block<3, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
           case 2: rows_block<2, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
           case 1: rows_block<1, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
           default: break;
         }
       }
-      for (int64_t r = 0; r < M; ++r)
+      for (int64_t r = 0; r < rn; ++r)
         for (int c = 0; c < 2; ++c)
-          _mm512_storeu_ps(yp + r * N + (2 * pair + c) * COLS, _mm512_loadu_ps(acc.data() + (2 * r + c) * COLS));
+          _mm512_storeu_ps(yp + (r0 + r) * N + (2 * pair + c) * COLS, _mm512_loadu_ps(acc.data() + (2 * r + c) * COLS));
+    }
     }
   });
 }

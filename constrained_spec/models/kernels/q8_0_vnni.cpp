@@ -23,6 +23,7 @@ constexpr int COLS = 16;          // output columns of a block: one zmm of float
 constexpr int GROUP = 32;         // weights of a block
 constexpr int BLOCK_BYTES = 512;  // 16 columns x 32 weights
 constexpr int SPLIT = 254;        // b's scale against a's
+constexpr int64_t ROW_PASS = 128;  // rows a pass over a thread's columns (see multiply)
 
 struct Rows {
   const int8_t* a;        // [M, K] activations' first int8 part
@@ -102,9 +103,13 @@ template <bool HALVES, bool MINS>
 void multiply(const Rows& rows, int64_t M, int64_t NB, int64_t G, const uint8_t* wp, const float* sp,
               const float* mp, float* yp) {
   const int64_t N = NB * COLS;
-  // Threads split the columns, never a row's sum: the split changes no bit.
+  // Threads split the columns, never a row's sum: the split changes no bit. Rows go ROW_PASS at a
+  // time through all of a thread's columns, so their activations stay in the core's cache (a
+  // long prompt's do not fit); a row's arithmetic is the same in any pass.
   at::parallel_for(0, NB, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(M * COLS);
+    std::vector<float> acc(std::min(M, ROW_PASS) * COLS);
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_PASS) {
+    const int64_t rn = std::min(ROW_PASS, M - r0);
     for (int64_t nb = begin; nb < end; ++nb) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t g = 0; g < G; ++g) {
@@ -119,17 +124,19 @@ void multiply(const Rows& rows, int64_t M, int64_t NB, int64_t G, const uint8_t*
           d[0] = d[1] = _mm512_loadu_ps(sp + (nb * G + g) * COLS);
         }
         const __m512 m = MINS ? _mm512_loadu_ps(mp + (nb * G + g) * COLS) : _mm512_setzero_ps();
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) rows_block<4, HALVES, MINS>(w, rows, r, g, d, m, acc.data() + r * COLS);
-        float* a = acc.data() + r * COLS;
-        switch (M - r) {
+        int64_t r = r0;
+        for (; r + 4 <= r0 + rn; r += 4) rows_block<4, HALVES, MINS>(w, rows, r, g, d, m, acc.data() + (r - r0) * COLS);
+        float* a = acc.data() + (r - r0) * COLS;
+        switch (r0 + rn - r) {
           case 3: rows_block<3, HALVES, MINS>(w, rows, r, g, d, m, a); break;
           case 2: rows_block<2, HALVES, MINS>(w, rows, r, g, d, m, a); break;
           case 1: rows_block<1, HALVES, MINS>(w, rows, r, g, d, m, a); break;
           default: break;
         }
       }
-      for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(yp + r * N + nb * COLS, _mm512_loadu_ps(acc.data() + r * COLS));
+      for (int64_t r = 0; r < rn; ++r)
+        _mm512_storeu_ps(yp + (r0 + r) * N + nb * COLS, _mm512_loadu_ps(acc.data() + r * COLS));
+    }
     }
   });
 }

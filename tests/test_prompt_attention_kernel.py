@@ -1,0 +1,88 @@
+"""The bfloat16 prompt attention kernel (``models.prompt_attention_kernel``): its values against a
+float64 reference of the same roundings, the causal mask, and the bits of a row whatever chunk,
+head group or thread count it is computed in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from constrained_spec.models import prompt_attention_kernel as kernel
+from constrained_spec.models.invariant import _causal
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="no AVX512_BF16 kernel here (or AMX, which torch runs)")
+
+SCALE = 0.125
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> torch.Tensor:
+    """float64 causal attention of the bfloat16-rounded inputs, ``[1, r, h, d]``."""
+    q, k, v = (t.to(torch.bfloat16).double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    rows, keys = q.shape[2], k.shape[2]
+    allowed = torch.arange(keys)[None, :] <= first + torch.arange(rows)[:, None]
+    s = (q @ k.transpose(-1, -2) * SCALE).masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(1, 2).float()
+
+
+def _inputs(heads: int, kv_heads: int, dim: int, rows: int, keys: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, heads, rows, dim, generator=g), torch.randn(1, kv_heads, keys, dim, generator=g),
+            torch.randn(1, kv_heads, keys, dim, generator=g))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256), (8, 8, 128), (6, 2, 64)])
+@pytest.mark.parametrize("first,rows", [(0, 1), (0, 70), (200, 57), (64, 64)])
+def test_values_match_float64_of_the_bfloat16_inputs(heads, kv_heads, dim, first, rows):
+    """Within the rounding of the weights to bfloat16 (about 3 significant digits) of the exact
+    attention of the same bfloat16 queries, keys and values, every causal position."""
+    q, k, v = _inputs(heads, kv_heads, dim, rows, first + rows, seed=first + rows + dim)
+    got = kernel.attend(q, k, v, first, SCALE)
+    assert got.shape == (1, rows, heads, dim) and got.dtype == torch.float32
+    assert (got - _reference(q, k, v, first)).abs().max() < 1e-2
+
+
+def test_a_key_past_a_rows_position_changes_none_of_its_bits():
+    q, k, v = _inputs(9, 3, 64, 40, 140, seed=1)
+    before = kernel.attend(q, k, v, 100, SCALE)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 120:] *= 1000  # rows 0..19 see keys up to 100..119 only
+    v2[:, :, 120:] = -1e30  # finite, as a later prompt token's values are: weight 0 times it adds 0
+    after = kernel.attend(q, k2, v2, 100, SCALE)
+    assert torch.equal(before[:, :20], after[:, :20])
+    assert not torch.equal(before[:, 20:], after[:, 20:])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1)])
+def test_a_rows_bits_do_not_depend_on_its_chunk_or_the_thread_count(heads, kv_heads):
+    """A prompt cut into chunks (decoding.prefix) attends chunk by chunk: each row must get the
+    bits the whole prompt's pass gives it, at one thread as at two."""
+    q, k, v = _inputs(heads, kv_heads, 64, 300, 300, seed=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = kernel.attend(q, k, v, 0, SCALE)
+        torch.set_num_threads(1)
+        one_thread = kernel.attend(q, k, v, 0, SCALE)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(whole, one_thread)
+    for start, rows in ((0, 128), (128, 77), (205, 95), (299, 1)):
+        chunk = kernel.attend(q[:, :, start : start + rows], k[:, :, : start + rows], v[:, :, : start + rows],
+                              start, SCALE)
+        assert torch.equal(chunk, whole[:, start : start + rows]), (start, rows)
+
+
+def test_the_masks_of_a_prompt_chunk_are_recognised_as_causal_and_others_are_not():
+    rows, first = 5, 7
+    allowed = torch.arange(first + rows)[None, :] <= first + torch.arange(rows)[:, None]
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    assert _causal(allowed[None, None], first) and _causal(additive[None, None], first)
+    assert not _causal(allowed[None, None], first - 1)
+    padded = allowed.clone()
+    padded[:, 0] = False  # a left-padded row hides its first key
+    assert not _causal(padded[None, None], first)
+    assert not _causal(allowed[None, None].repeat(2, 1, 1, 1), first)  # two batch rows
+    half_hidden = additive.masked_fill(~allowed, -1.0)  # a bias, not a mask
+    assert not _causal(half_hidden[None, None], first)
