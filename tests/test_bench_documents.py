@@ -205,3 +205,20 @@ def test_the_command_prints_every_row_and_writes_the_report(monkeypatch, tmp_pat
     for cell in ("native auto", "812.5", "1.25", "0.9", "3.1", "9.5", "41.0", "5/8", "rich 15.0.0 (3210)", "Only 1"):
         assert cell in res.output, cell
     assert json.loads(out.read_text()) == report
+
+
+def test_row_configs_load_the_embedded_model_otherwise_and_refuse_what_is_not_a_setting(smol):
+    """``--row-config``: target-only and auto again on the embedded model loaded with the given
+    settings (here float32 prompt attention: no bfloat16 attention on any layer), after the
+    default rows; text that is not ``field=value`` pairs of a setting is refused by name."""
+    from constrained_spec.bench.documents import BASELINE, runtime_config_rows
+
+    configs = runtime_config_rows(smol, ["prompt_attention=float32"])
+    assert [c.name for c in configs] == [BASELINE, "native auto", f"{BASELINE}, prompt_attention=float32",
+                                         "native auto, prompt_attention=float32"]
+    assert configs[0].model is None and configs[2].model is configs[3].model is not smol
+    attention = [m for m in configs[2].model.model.modules() if type(m).__name__.endswith("Attention")]
+    assert attention and all(getattr(m, "prompt_attention_dtype", None) is None for m in attention)
+    for bad in ("prompt_attention", "no_such_field=1", "prompt_attention=float16"):
+        with pytest.raises(ValueError, match="row-config|prompt attention"):
+            runtime_config_rows(smol, [bad])

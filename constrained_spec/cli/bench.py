@@ -259,7 +259,7 @@ def _documents(*, model: Optional[str], limit: Optional[int], max_new_tokens: in
     from ..bench.documents import BUCKETS, run_documents_bench, runtime_config_rows
     from ..models import resolve_model
 
-    handle = resolve_model(model)
+    handle = resolve_model(model) if row_configs else model  # the rows' loads need the handle's kind
     configs = runtime_config_rows(handle, row_configs) if row_configs else None
     report = run_documents_bench(handle, configs=configs, limit=limit, max_new_tokens=max_new_tokens,
                                  llama_cpp=llama_cpp, progress=lambda line: err.print(f"[dim]{line}[/]"))

@@ -90,8 +90,8 @@ def int8_prompt_rows(asked: str, vnni: bool) -> bool:
     """Whether a native model's prompt rows take the VNNI kernel with int8 activations, for
     ``RuntimeConfig.prompt_linears`` ``asked`` and layers that have the VNNI layout (``vnni``):
     only where asked for by name. ``auto`` keeps the dense path: one int8 part per activation
-    changed about one extracted record in six and lost fields against the float32 model, for
-    about 12% more prompt speed on a CPU without AMX (docs/extraction.md)."""
+    moved the extracted records further from the float32 model's, for a faster prompt pass on a
+    CPU without AMX (docs/extraction.md)."""
     return vnni and asked == "int8"
 
 
