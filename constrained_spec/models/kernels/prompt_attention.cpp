@@ -134,25 +134,31 @@ inline void tile_step(Vector<D>* vec, const uint16_t* kt, const uint16_t* vt, in
     vec[q].sum = vec[q].sum * alpha[q] + _mm512_reduce_add_ps(total);
     vec[q].max = new_max;
   }
-  // Values: the output rescaled, then one vdpbf16ps a pair of keys.
-  __m512 o[NV][NC];
-  for (int q = 0; q < NV; ++q) {
-    const __m512 a = _mm512_set1_ps(alpha[q]);
-    for (int c = 0; c < NC; ++c) o[q][c] = _mm512_mul_ps(_mm512_loadu_ps(vec[q].out + c * LANES), a);
-  }
-  for (int p = 0; p < TILE / 2; ++p) {
-    const uint16_t* vp = vt + p * D * 2;
-    for (int c = 0; c < NC; ++c) {
-      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + c * LANES * 2);
+  // Values: the output rescaled, then one vdpbf16ps a pair of keys, 64 dimensions at a time (the
+  // accumulators stay in registers; each weight pair is broadcast once for them all).
+  constexpr int NCB = NC < 4 ? NC : 4;
+  for (int c0 = 0; c0 < NC; c0 += NCB) {
+    __m512 o[NV][NCB];
+    for (int q = 0; q < NV; ++q) {
+      const __m512 a = _mm512_set1_ps(alpha[q]);
+      for (int c = 0; c < NCB; ++c) o[q][c] = _mm512_mul_ps(_mm512_loadu_ps(vec[q].out + (c0 + c) * LANES), a);
+    }
+    for (int p = 0; p < TILE / 2; ++p) {
+      const uint16_t* vp = vt + p * D * 2 + c0 * LANES * 2;
+      __m512bh w[NV];
       for (int q = 0; q < NV; ++q) {
         int32_t pair;
         std::memcpy(&pair, weights[q] + 2 * p, 4);
-        o[q][c] = _mm512_dpbf16_ps(o[q][c], (__m512bh)_mm512_set1_epi32(pair), vv);
+        w[q] = (__m512bh)_mm512_set1_epi32(pair);
+      }
+      for (int c = 0; c < NCB; ++c) {
+        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + c * LANES * 2);
+        for (int q = 0; q < NV; ++q) o[q][c] = _mm512_dpbf16_ps(o[q][c], w[q], vv);
       }
     }
+    for (int q = 0; q < NV; ++q)
+      for (int c = 0; c < NCB; ++c) _mm512_storeu_ps(vec[q].out + (c0 + c) * LANES, o[q][c]);
   }
-  for (int q = 0; q < NV; ++q)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(vec[q].out + c * LANES, o[q][c]);
 }
 
 template <int D>
