@@ -137,7 +137,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     """The embedded model with its Q4_1 linear layers packed for the int4 kernel (cached), and
     its Q8_0 output projection on the VNNI kernel or two int4 calls ("native") or as the exact
     float32 matrix ("native-exact"; see ``models.q8_output``); the kernels as ``config`` asks."""
-    from . import attention_kernel, layer_kernels, q4_vnni, q8_output
+    from . import attention_kernel, layer_kernels, prompt_attention_kernel, q4_vnni, q8_output
     from .invariant import make_batch_invariant
     from .int4 import Int4Linear
     from .native import fuse_projections, install_int4, install_q8_output, load_int4, q4_1_linears, save_int4
@@ -152,7 +152,8 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     # The kernels are fixed at load: a model's rows must all take one (invariance). The first
     # load on a machine builds them side by side, as the compiler runs in subprocesses.
     with ThreadPoolExecutor(4) as pool:
-        for enabled in (attention_kernel.enabled, layer_kernels.enabled):  # the forwards ask them later
+        # The forwards ask these later (the prompt attention kernel also at _set_prompt_attention).
+        for enabled in (attention_kernel.enabled, layer_kernels.enabled, prompt_attention_kernel.available):
             pool.submit(enabled)
         linears_job = pool.submit(q4_vnni.kernel, config.int4_kernel)
         output = pool.submit(q8_output.kernel, config.output_kernel).result() if precision == "native" else "exact"
