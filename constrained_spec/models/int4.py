@@ -86,15 +86,6 @@ def amx_bfloat16() -> bool:
     return "amx_bf16" in _cpu_flags() and bfloat16_matmul_in_hardware()
 
 
-def int8_prompt_rows(asked: str, vnni: bool) -> bool:
-    """Whether a native model's prompt rows take the VNNI kernel with int8 activations, for
-    ``RuntimeConfig.prompt_linears`` ``asked`` and layers that have the VNNI layout (``vnni``):
-    only where asked for by name. ``auto`` keeps the dense path: one int8 part per activation
-    moved the extracted records further from the float32 model's, for a faster prompt pass on a
-    CPU without AMX (docs/extraction.md)."""
-    return vnni and asked == "int8"
-
-
 def prompt_matmul_dtype() -> torch.dtype:
     """The dtype prompt rows are multiplied in on this machine (see the module docstring)."""
     return torch.bfloat16 if bfloat16_matmul_in_hardware() else torch.float32

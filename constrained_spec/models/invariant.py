@@ -233,27 +233,24 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     prompt_rows = sum(n for _, n in segments)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     parts = []
-    # Prompt rows in the dtype the model's prompt matmuls take (``prompt_attention_dtype``, set
-    # at load; None: the query's), the keys converted once for every chunk of the forward.
+    # Prompt rows in ``prompt_attention_dtype`` (set at load; None: the query's), on the bfloat16
+    # kernel where it takes them, else the keys converted once for every chunk of the forward.
     prompt_dtype = getattr(module, "prompt_attention_dtype", None) or query.dtype
     kernel = (prompt_dtype == torch.bfloat16 and not dropout and _plain_attention(kwargs)
               and prompt_attention_kernel.usable(query, key))
-    if segments and not kernel:
-        prompt_keys = key[:, :, : past + prompt_rows].to(prompt_dtype)
-        prompt_values = value[:, :, : past + prompt_rows].to(prompt_dtype)
+    prompt_keys = prompt_values = None
     for chunk, (start, rows) in enumerate(segments):  # each prompt chunk on its own keys (decoding.prefix)
         keys = past + start + rows
         if kernel and (attention_mask is None
                        or _causal(attention_mask[..., start : start + rows, :keys], past + start)):
             # Bfloat16 on the CPU's pair instruction, row by row (models.prompt_attention_kernel).
             out = prompt_attention_kernel.attend(query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys],
-                                          past + start, scale)
+                                                 past + start, scale)
             parts.append(out.to(query.dtype))
             continue
-        if kernel:  # a mask of another shape (padding): torch's kernel on bfloat16 copies
-            kernel = False
-            prompt_keys = key[:, :, : past + prompt_rows].to(prompt_dtype)
-            prompt_values = value[:, :, : past + prompt_rows].to(prompt_dtype)
+        kernel = False  # a mask of another shape (padding): torch's kernel from this chunk on
+        if prompt_keys is None:
+            prompt_keys, prompt_values = (t[:, :, : past + prompt_rows].to(prompt_dtype) for t in (key, value))
         if attention_mask is not None:
             mask = attention_mask[..., start : start + rows, :keys]
         elif past + start:  # a chunk after others: causal over the keys before it too

@@ -200,16 +200,17 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
 
 
 def _int8_prompt_rows(config: RuntimeConfig, vnni: bool) -> bool:
-    """``models.int4.int8_prompt_rows`` for ``config``, with a warning where int8 prompt rows were
-    asked for by name and the linears run torch's kernel, which has no int8 form."""
-    from .int4 import int8_prompt_rows
-
+    """Whether the native model's prompt rows take the VNNI kernel with int8 activations
+    (``models.int4``): only where ``config`` asks for it by name and the linears have the VNNI
+    layout (a warning where they run torch's kernel, which has no int8 form). ``auto`` keeps the
+    dense path: one int8 part per activation moved the extracted records further from the
+    float32 model's, for a faster prompt pass on a CPU without AMX (docs/extraction.md)."""
     if config.prompt_linears == "int8" and not vnni:
         import warnings
 
         warnings.warn("CONSTRAINED_SPEC_PROMPT_LINEARS=int8 needs the VNNI linears; prompt rows run dense.",
                       stacklevel=3)
-    return int8_prompt_rows(config.prompt_linears, vnni)
+    return vnni and config.prompt_linears == "int8"
 
 
 def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:

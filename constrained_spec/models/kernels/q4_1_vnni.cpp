@@ -130,40 +130,40 @@ void multiply(const Rows& rows, int64_t M, int64_t NP, int64_t G, int64_t N, con
   at::parallel_for(0, NP, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(std::min(M, ROW_PASS) * 2 * COLS);
     for (int64_t r0 = 0; r0 < M; r0 += ROW_PASS) {
-    const int64_t rn = std::min(ROW_PASS, M - r0);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512i b[16];
-        __m512 d[2], m[2];
-        // One stream of bytes a thread: the pair's blocks of each group side by side.
-        const uint8_t* w = wp + (pair * G + g) * BLOCK_BYTES;
-        const float* sc = sp + (pair * G + g) * 4 * COLS;
-        for (int c = 0; c < 2; ++c) {
+      const int64_t rn = std::min(ROW_PASS, M - r0);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512i b[16];
+          __m512 d[2], m[2];
+          // One stream of bytes a thread: the pair's blocks of each group side by side.
+          const uint8_t* w = wp + (pair * G + g) * BLOCK_BYTES;
+          const float* sc = sp + (pair * G + g) * 4 * COLS;
+          for (int c = 0; c < 2; ++c) {
 #pragma GCC unroll 4
-          for (int t = 0; t < 4; ++t) {
-            const __m512i raw = _mm512_loadu_si512(w + 256 * c + 64 * t);
-            b[8 * c + t] = _mm512_and_si512(raw, low);
-            b[8 * c + t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            for (int t = 0; t < 4; ++t) {
+              const __m512i raw = _mm512_loadu_si512(w + 256 * c + 64 * t);
+              b[8 * c + t] = _mm512_and_si512(raw, low);
+              b[8 * c + t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+            // d and m as stored in float32 (a file's float16 widened exactly, Q4_K's d * sc as computed).
+            d[c] = _mm512_loadu_ps(sc + 2 * c * COLS);
+            m[c] = _mm512_loadu_ps(sc + (2 * c + 1) * COLS);
           }
-          // d and m as stored in float32 (a file's float16 widened exactly, Q4_K's d * sc as computed).
-          d[c] = _mm512_loadu_ps(sc + 2 * c * COLS);
-          m[c] = _mm512_loadu_ps(sc + (2 * c + 1) * COLS);
+          int64_t r = r0;
+          for (; r + 4 <= r0 + rn; r += 4) rows_block<4, SPLIT_ROWS>(b, rows, r, g, d, m, acc.data() + (r - r0) * 2 * COLS);
+          float* a = acc.data() + (r - r0) * 2 * COLS;
+          switch (r0 + rn - r) {
+            case 3: rows_block<3, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
+            case 2: rows_block<2, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
+            case 1: rows_block<1, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
+            default: break;
+          }
         }
-        int64_t r = r0;
-        for (; r + 4 <= r0 + rn; r += 4) rows_block<4, SPLIT_ROWS>(b, rows, r, g, d, m, acc.data() + (r - r0) * 2 * COLS);
-        float* a = acc.data() + (r - r0) * 2 * COLS;
-        switch (r0 + rn - r) {
-          case 3: rows_block<3, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
-          case 2: rows_block<2, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
-          case 1: rows_block<1, SPLIT_ROWS>(b, rows, r, g, d, m, a); break;
-          default: break;
-        }
+        for (int64_t r = 0; r < rn; ++r)
+          for (int c = 0; c < 2; ++c)
+            _mm512_storeu_ps(yp + (r0 + r) * N + (2 * pair + c) * COLS, _mm512_loadu_ps(acc.data() + (2 * r + c) * COLS));
       }
-      for (int64_t r = 0; r < rn; ++r)
-        for (int c = 0; c < 2; ++c)
-          _mm512_storeu_ps(yp + (r0 + r) * N + (2 * pair + c) * COLS, _mm512_loadu_ps(acc.data() + (2 * r + c) * COLS));
-    }
     }
   });
 }

@@ -109,34 +109,34 @@ void multiply(const Rows& rows, int64_t M, int64_t NB, int64_t G, const uint8_t*
   at::parallel_for(0, NB, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(std::min(M, ROW_PASS) * COLS);
     for (int64_t r0 = 0; r0 < M; r0 += ROW_PASS) {
-    const int64_t rn = std::min(ROW_PASS, M - r0);
-    for (int64_t nb = begin; nb < end; ++nb) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512i w[8];
-        const uint8_t* wb = wp + (nb * G + g) * BLOCK_BYTES;
-        for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(wb + 64 * t);
-        __m512 d[2];
-        if (HALVES) {
-          d[0] = _mm512_loadu_ps(sp + ((nb * G + g) * 2) * COLS);
-          d[1] = _mm512_loadu_ps(sp + ((nb * G + g) * 2 + 1) * COLS);
-        } else {
-          d[0] = d[1] = _mm512_loadu_ps(sp + (nb * G + g) * COLS);
+      const int64_t rn = std::min(ROW_PASS, M - r0);
+      for (int64_t nb = begin; nb < end; ++nb) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512i w[8];
+          const uint8_t* wb = wp + (nb * G + g) * BLOCK_BYTES;
+          for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(wb + 64 * t);
+          __m512 d[2];
+          if (HALVES) {
+            d[0] = _mm512_loadu_ps(sp + ((nb * G + g) * 2) * COLS);
+            d[1] = _mm512_loadu_ps(sp + ((nb * G + g) * 2 + 1) * COLS);
+          } else {
+            d[0] = d[1] = _mm512_loadu_ps(sp + (nb * G + g) * COLS);
+          }
+          const __m512 m = MINS ? _mm512_loadu_ps(mp + (nb * G + g) * COLS) : _mm512_setzero_ps();
+          int64_t r = r0;
+          for (; r + 4 <= r0 + rn; r += 4) rows_block<4, HALVES, MINS>(w, rows, r, g, d, m, acc.data() + (r - r0) * COLS);
+          float* a = acc.data() + (r - r0) * COLS;
+          switch (r0 + rn - r) {
+            case 3: rows_block<3, HALVES, MINS>(w, rows, r, g, d, m, a); break;
+            case 2: rows_block<2, HALVES, MINS>(w, rows, r, g, d, m, a); break;
+            case 1: rows_block<1, HALVES, MINS>(w, rows, r, g, d, m, a); break;
+            default: break;
+          }
         }
-        const __m512 m = MINS ? _mm512_loadu_ps(mp + (nb * G + g) * COLS) : _mm512_setzero_ps();
-        int64_t r = r0;
-        for (; r + 4 <= r0 + rn; r += 4) rows_block<4, HALVES, MINS>(w, rows, r, g, d, m, acc.data() + (r - r0) * COLS);
-        float* a = acc.data() + (r - r0) * COLS;
-        switch (r0 + rn - r) {
-          case 3: rows_block<3, HALVES, MINS>(w, rows, r, g, d, m, a); break;
-          case 2: rows_block<2, HALVES, MINS>(w, rows, r, g, d, m, a); break;
-          case 1: rows_block<1, HALVES, MINS>(w, rows, r, g, d, m, a); break;
-          default: break;
-        }
+        for (int64_t r = 0; r < rn; ++r)
+          _mm512_storeu_ps(yp + (r0 + r) * N + nb * COLS, _mm512_loadu_ps(acc.data() + r * COLS));
       }
-      for (int64_t r = 0; r < rn; ++r)
-        _mm512_storeu_ps(yp + (r0 + r) * N + nb * COLS, _mm512_loadu_ps(acc.data() + r * COLS));
-    }
     }
   });
 }
