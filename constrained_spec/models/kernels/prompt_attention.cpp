@@ -5,12 +5,16 @@
 // models/prompt_attention_kernel.py).
 //
 // Per key head: the keys and values are rounded to bfloat16 once a call into the instruction's
-// pair layouts (keys paired along the head dimension, values along the keys); per block of up to
-// four query vectors of that key head: for each tile up to the last one a vector sees, the scores
-// (one vdpbf16ps per pair of dimensions), an online softmax in float32 (exp by a Cephes
-// polynomial), the weights rounded to bfloat16 and the values accumulated (one vdpbf16ps per pair
-// of keys). Why: torch's CPU flash attention runs bfloat16 no faster than float32 on a CPU
-// without AMX, where this instruction doubles the multiply-adds per cycle.
+// pair layouts (keys paired along the head dimension, values along the keys); per block of twelve
+// query vectors of that key head (four rows of three heads sharing a key head, say), for each
+// tile up to the last one a vector sees: the scores of all twelve (one vdpbf16ps per pair of
+// dimensions, each key pair loaded once for the block), an online softmax per vector in float32
+// (exp by a Cephes polynomial), its weights rounded to bfloat16, and the values accumulated (one
+// vdpbf16ps per pair of keys, each value pair loaded once for the block). A vector's arithmetic is
+// the same in any block: the block only shares loads, so a twelve-vector block gives the bits of
+// a four-vector one. Why: torch's CPU flash attention runs bfloat16 no faster than float32 on a CPU
+// without AMX, where this instruction doubles the multiply-adds per cycle; twelve vectors a block
+// keep the loads and the softmax below the multiply-adds (docs/extraction.md).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,13 +23,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
 
 constexpr int LANES = 16;
 constexpr int TILE = 64;   // keys a tile: four vectors of 16 scores
-constexpr int BLOCK = 4;   // query vectors a pass over the keys
+constexpr int BLOCK = 12;  // query vectors a pass over the keys (12 x 2 accumulators + 3 of 32 registers)
 
 // exp(x) for x <= 0, as in row_attention.cpp (Cephes' expf, about 1 ulp; exp(0) is exactly 1).
 inline __m512 exp_nonpositive(__m512 x) {
@@ -53,137 +58,173 @@ inline uint16_t to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-// A float32 tensor's rows [n, D] at a stride, rounded to bfloat16 into `out`.
-void round_row(const float* x, int64_t D, uint16_t* out) {
-  for (int64_t d = 0; d < D; ++d) out[d] = to_bf16(x[d]);
+// Sixteen float32 values rounded as `to_bf16` rounds each (the same integer arithmetic, lane by
+// lane; vcvtneps2bf16 would flush denormals, which torch's conversion keeps).
+inline __m256i to_bf16x16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// One row of D (a multiple of 16) float32 values rounded to bfloat16 into `out`.
+inline void round_row(const float* x, int64_t D, uint16_t* out) {
+  for (int64_t d = 0; d < D; d += LANES)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), to_bf16x16(_mm512_loadu_ps(x + d)));
 }
 
 struct Packed {
-  // Keys: [tile][D/2][TILE][2]; values: [tile][TILE/2][D][2]; zeros past the last key.
-  std::vector<uint16_t> keys, values;
+  // Keys: [tile][D/2][TILE][2]; values: [tile][TILE/2][D][2]; zeros past the last key. Left
+  // uninitialised until pack_tile writes every element.
+  std::unique_ptr<uint16_t[]> keys, values;
 };
 
-// One key head's keys and values (float32 [KV, D] at row stride `rs`) in the pair layouts.
-void pack_head(const float* k, const float* v, int64_t rs, int64_t KV, int64_t D, Packed& out) {
-  const int64_t tiles = (KV + TILE - 1) / TILE;
-  out.keys.assign(tiles * D * TILE, 0);
-  out.values.assign(tiles * TILE * D, 0);
-  std::vector<uint16_t> row(D);
-  for (int64_t j = 0; j < KV; ++j) {
-    const int64_t t = j / TILE, in = j % TILE;
-    round_row(k + j * rs, D, row.data());
-    uint16_t* kt = out.keys.data() + t * D * TILE;
-    for (int64_t d = 0; d < D; ++d) kt[(d / 2) * TILE * 2 + in * 2 + (d % 2)] = row[d];
-    round_row(v + j * rs, D, row.data());
-    uint16_t* vt = out.values.data() + t * TILE * D;
-    for (int64_t d = 0; d < D; ++d) vt[(in / 2) * D * 2 + d * 2 + (in % 2)] = row[d];
+// One tile of one key head's keys and values (float32 [KV, D] at row stride `rs`) in the pair
+// layouts: a key's dimension pairs go to D/2 places a tile apart; two keys' values interleave.
+void pack_tile(const float* k, const float* v, int64_t rs, int64_t KV, int64_t D, int64_t t, Packed& out) {
+  uint32_t* kt = reinterpret_cast<uint32_t*>(out.keys.get() + t * D * TILE);
+  uint32_t* vt = reinterpret_cast<uint32_t*>(out.values.get() + t * TILE * D);
+  alignas(64) uint16_t row[256], next[256];
+  const int64_t end = std::min<int64_t>(TILE, KV - t * TILE);
+  // Rows past the last key are zeros (every pair of the tile is written).
+  const auto round_or_zero = [&](const float* x, int64_t in, uint16_t* to) {
+    if (in < end) round_row(x + (t * TILE + in) * rs, D, to);
+    else std::memset(to, 0, D * sizeof(uint16_t));
+  };
+  for (int64_t in = 0; in < TILE; in += 2) {
+    round_or_zero(k, in, row);
+    round_or_zero(k, in + 1, next);
+    for (int64_t p = 0; p < D / 2; ++p) {
+      std::memcpy(kt + p * TILE + in, row + 2 * p, 4);
+      std::memcpy(kt + p * TILE + in + 1, next + 2 * p, 4);
+    }
+    round_or_zero(v, in, row);
+    round_or_zero(v, in + 1, next);
+    for (int64_t d = 0; d < D; d += LANES) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(row + d)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(next + d)));
+      _mm512_storeu_si512(vt + (in / 2) * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
   }
 }
 
 template <int D>
-struct Vector {  // one query vector's state
-  const uint16_t* q;  // bfloat16 [D]
-  int64_t last;       // the last key it sees
-  float max, sum;
-  float out[D];
+struct Block {
+  alignas(64) uint16_t q[BLOCK][D];  // bfloat16 queries
+  alignas(64) float out[BLOCK][D];
+  alignas(64) float scores[BLOCK][TILE];
+  alignas(64) uint16_t weights[BLOCK][TILE];
+  int64_t last[BLOCK];  // the last key each sees
+  float max[BLOCK], sum[BLOCK], alpha[BLOCK];
 };
 
-// One tile's work for NV vectors (all of whose `last` is at least the tile's first key).
-template <int D, int NV>
-inline void tile_step(Vector<D>* vec, const uint16_t* kt, const uint16_t* vt, int64_t j0, float scale) {
-  constexpr int NC = D / LANES;
-  // Scores: four vectors of 16 keys for each query vector, one vdpbf16ps a pair of dimensions.
-  __m512 s[NV][4];
-  for (int q = 0; q < NV; ++q)
-    for (int b = 0; b < 4; ++b) s[q][b] = _mm512_setzero_ps();
-  for (int p = 0; p < D / 2; ++p) {
-    const uint16_t* kp = kt + p * TILE * 2;
-    __m512bh kk[4];
-    for (int b = 0; b < 4; ++b) kk[b] = (__m512bh)_mm512_loadu_si512(kp + b * LANES * 2);
-    for (int q = 0; q < NV; ++q) {
-      int32_t pair;
-      std::memcpy(&pair, vec[q].q + 2 * p, 4);
-      const __m512bh qq = (__m512bh)_mm512_set1_epi32(pair);
-      for (int b = 0; b < 4; ++b) s[q][b] = _mm512_dpbf16_ps(s[q][b], qq, kk[b]);
+// Scores of a tile's 64 keys for every vector, 32 keys at a time: one vdpbf16ps a pair of
+// dimensions a vector, each key pair loaded once for the block.
+template <int D>
+inline void tile_scores(Block<D>& blk, const uint16_t* kt) {
+  for (int half = 0; half < 2; ++half) {
+    __m512 s[BLOCK][2];
+    for (int q = 0; q < BLOCK; ++q) s[q][0] = s[q][1] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; ++p) {
+      const uint16_t* kp = kt + p * TILE * 2 + half * 2 * LANES * 2;
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp), k1 = (__m512bh)_mm512_loadu_si512(kp + LANES * 2);
+      for (int q = 0; q < BLOCK; ++q) {
+        int32_t pair;
+        std::memcpy(&pair, blk.q[q] + 2 * p, 4);
+        const __m512bh qq = (__m512bh)_mm512_set1_epi32(pair);
+        s[q][0] = _mm512_dpbf16_ps(s[q][0], qq, k0);
+        s[q][1] = _mm512_dpbf16_ps(s[q][1], qq, k1);
+      }
+    }
+    for (int q = 0; q < BLOCK; ++q) {
+      _mm512_store_ps(blk.scores[q] + half * 2 * LANES, s[q][0]);
+      _mm512_store_ps(blk.scores[q] + half * 2 * LANES + LANES, s[q][1]);
     }
   }
-  alignas(64) uint16_t weights[NV][TILE];
-  float alpha[NV];
+}
+
+// One vector's online softmax step over a tile's scores: its weights rounded to bfloat16, the
+// factor that rescales its output. Keys past the vector's last are masked: their weight is 0.
+template <int D>
+inline void tile_softmax(Block<D>& blk, int q, int64_t j0, float scale) {
   const __m512 sc = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
-  for (int q = 0; q < NV; ++q) {
-    // Keys past the vector's last are masked: their weight is exactly 0.
-    const int64_t seen = std::min<int64_t>(TILE, vec[q].last - j0 + 1);
-    __mmask16 keep[4];
-    __m512 m = minus_inf;
-    for (int b = 0; b < 4; ++b) {
-      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(LANES, seen - b * LANES));
-      keep[b] = n >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
-      s[q][b] = _mm512_mask_mul_ps(minus_inf, keep[b], s[q][b], sc);
-      m = _mm512_max_ps(m, s[q][b]);
-    }
-    const float tile_max = _mm512_reduce_max_ps(m);
-    const float new_max = std::max(vec[q].max, tile_max);
-    alpha[q] = vec[q].max == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(vec[q].max - new_max)));
-    const __m512 nm = _mm512_set1_ps(new_max);
-    __m512 total = _mm512_setzero_ps();
-    for (int b = 0; b < 4; ++b) {
-      const __m512 w = _mm512_maskz_mov_ps(keep[b], exp_nonpositive(_mm512_sub_ps(s[q][b], nm)));
-      total = _mm512_add_ps(total, w);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights[q] + b * LANES), (__m256i)_mm512_cvtneps_pbh(w));
-    }
-    vec[q].sum = vec[q].sum * alpha[q] + _mm512_reduce_add_ps(total);
-    vec[q].max = new_max;
+  const int64_t seen = std::min<int64_t>(TILE, blk.last[q] - j0 + 1);
+  __mmask16 keep[4];
+  __m512 s[4];
+  __m512 m = minus_inf;
+  for (int b = 0; b < 4; ++b) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(LANES, seen - b * LANES));
+    keep[b] = n >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+    s[b] = _mm512_mask_mul_ps(minus_inf, keep[b], _mm512_load_ps(blk.scores[q] + b * LANES), sc);
+    m = _mm512_max_ps(m, s[b]);
   }
-  // Values: the output rescaled, then one vdpbf16ps a pair of keys, 64 dimensions at a time (the
-  // accumulators stay in registers; each weight pair is broadcast once for them all).
-  constexpr int NCB = NC < 4 ? NC : 4;
-  for (int c0 = 0; c0 < NC; c0 += NCB) {
-    __m512 o[NV][NCB];
-    for (int q = 0; q < NV; ++q) {
-      const __m512 a = _mm512_set1_ps(alpha[q]);
-      for (int c = 0; c < NCB; ++c) o[q][c] = _mm512_mul_ps(_mm512_loadu_ps(vec[q].out + (c0 + c) * LANES), a);
+  const float tile_max = _mm512_reduce_max_ps(m);
+  const float new_max = std::max(blk.max[q], tile_max);
+  blk.alpha[q] =
+      blk.max[q] == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(blk.max[q] - new_max)));
+  const __m512 nm = _mm512_set1_ps(new_max);
+  __m512 total = _mm512_setzero_ps();
+  for (int b = 0; b < 4; ++b) {
+    const __m512 w = _mm512_maskz_mov_ps(keep[b], exp_nonpositive(_mm512_sub_ps(s[b], nm)));
+    total = _mm512_add_ps(total, w);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(blk.weights[q] + b * LANES), (__m256i)_mm512_cvtneps_pbh(w));
+  }
+  blk.sum[q] = blk.sum[q] * blk.alpha[q] + _mm512_reduce_add_ps(total);
+  blk.max[q] = new_max;
+}
+
+// The outputs rescaled, then one vdpbf16ps a pair of keys a vector, 32 dimensions at a time
+// (each value pair loaded once for the block). Only vectors that see the tile are written back.
+template <int D>
+inline void tile_values(Block<D>& blk, const uint16_t* vt, const bool* sees) {
+  for (int c0 = 0; c0 < D / LANES; c0 += 2) {
+    __m512 o[BLOCK][2];
+    for (int q = 0; q < BLOCK; ++q) {
+      const __m512 a = _mm512_set1_ps(blk.alpha[q]);
+      o[q][0] = _mm512_mul_ps(_mm512_load_ps(blk.out[q] + c0 * LANES), a);
+      o[q][1] = _mm512_mul_ps(_mm512_load_ps(blk.out[q] + c0 * LANES + LANES), a);
     }
     for (int p = 0; p < TILE / 2; ++p) {
       const uint16_t* vp = vt + p * D * 2 + c0 * LANES * 2;
-      __m512bh w[NV];
-      for (int q = 0; q < NV; ++q) {
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp), v1 = (__m512bh)_mm512_loadu_si512(vp + LANES * 2);
+      for (int q = 0; q < BLOCK; ++q) {
         int32_t pair;
-        std::memcpy(&pair, weights[q] + 2 * p, 4);
-        w[q] = (__m512bh)_mm512_set1_epi32(pair);
-      }
-      for (int c = 0; c < NCB; ++c) {
-        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + c * LANES * 2);
-        for (int q = 0; q < NV; ++q) o[q][c] = _mm512_dpbf16_ps(o[q][c], w[q], vv);
+        std::memcpy(&pair, blk.weights[q] + 2 * p, 4);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        o[q][0] = _mm512_dpbf16_ps(o[q][0], w, v0);
+        o[q][1] = _mm512_dpbf16_ps(o[q][1], w, v1);
       }
     }
-    for (int q = 0; q < NV; ++q)
-      for (int c = 0; c < NCB; ++c) _mm512_storeu_ps(vec[q].out + (c0 + c) * LANES, o[q][c]);
+    for (int q = 0; q < BLOCK; ++q) {
+      if (!sees[q]) continue;
+      _mm512_store_ps(blk.out[q] + c0 * LANES, o[q][0]);
+      _mm512_store_ps(blk.out[q] + c0 * LANES + LANES, o[q][1]);
+    }
   }
 }
 
 template <int D>
-void run_block(Vector<D>* vec, int nv, const Packed& kv, float scale) {
-  const int64_t last = vec[nv - 1].last > vec[0].last ? vec[nv - 1].last : vec[0].last;
+void run_block(Block<D>& blk, const Packed& kv, float scale) {
+  int64_t last = 0;
+  for (int q = 0; q < BLOCK; ++q) last = std::max(last, blk.last[q]);
   for (int64_t t = 0; t * TILE <= last; ++t) {
     const int64_t j0 = t * TILE;
-    // Only the vectors that see a key of this tile: the others' bits must not depend on it.
-    Vector<D>* seeing[BLOCK];
-    int n = 0;
-    for (int q = 0; q < nv; ++q)
-      if (vec[q].last >= j0) seeing[n++] = &vec[q];
-    const uint16_t* kt = kv.keys.data() + t * D * TILE;
-    const uint16_t* vt = kv.values.data() + t * TILE * D;
-    // Copies in and out keep one code path for every count.
-    Vector<D> local[BLOCK];
-    for (int q = 0; q < n; ++q) local[q] = *seeing[q];
-    switch (n) {
-      case 4: tile_step<D, 4>(local, kt, vt, j0, scale); break;
-      case 3: tile_step<D, 3>(local, kt, vt, j0, scale); break;
-      case 2: tile_step<D, 2>(local, kt, vt, j0, scale); break;
-      case 1: tile_step<D, 1>(local, kt, vt, j0, scale); break;
-      default: break;
+    // A vector that sees no key of this tile keeps its state: its bits must not depend on it.
+    bool sees[BLOCK];
+    for (int q = 0; q < BLOCK; ++q) sees[q] = blk.last[q] >= j0;
+    tile_scores<D>(blk, kv.keys.get() + t * D * TILE);
+    for (int q = 0; q < BLOCK; ++q) {
+      if (sees[q]) {
+        tile_softmax<D>(blk, q, j0, scale);
+      } else {
+        blk.alpha[q] = 1.0f;
+        std::memset(blk.weights[q], 0, sizeof(blk.weights[q]));
+      }
     }
-    for (int q = 0; q < n; ++q) *seeing[q] = local[q];
+    tile_values<D>(blk, kv.values.get() + t * TILE * D, sees);
   }
 }
 
@@ -195,34 +236,38 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
   const float* kp = key.const_data_ptr<float>();
   const float* vp = value.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t tiles = (KV + TILE - 1) / TILE;
   std::vector<Packed> packed(KVH);
-  at::parallel_for(0, KVH, 1, [&](int64_t b, int64_t e) {
-    for (int64_t h = b; h < e; ++h)
-      pack_head(kp + h * key.stride(0), vp + h * value.stride(0), key.stride(1), KV, D, packed[h]);
+  for (auto& p : packed) {
+    p.keys.reset(new uint16_t[tiles * D * TILE]);
+    p.values.reset(new uint16_t[tiles * TILE * D]);
+  }
+  at::parallel_for(0, KVH * tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u)
+      pack_tile(kp + (u / tiles) * key.stride(0), vp + (u / tiles) * value.stride(0), key.stride(1), KV, D, u % tiles,
+                packed[u / tiles]);
   });
   // Query vectors of one key head in (row, head) order; blocks of BLOCK consecutive ones.
   const int64_t per_head = R * G, blocks = (per_head + BLOCK - 1) / BLOCK;
   at::parallel_for(0, KVH * blocks, 1, [&](int64_t b, int64_t e) {
-    std::vector<uint16_t> q16(BLOCK * D);
+    auto blk = std::make_unique<Block<D>>();
     for (int64_t unit = b; unit < e; ++unit) {
       const int64_t hk = unit / blocks, v0 = (unit % blocks) * BLOCK;
       const int nv = int(std::min<int64_t>(BLOCK, per_head - v0));
-      Vector<D> vec[BLOCK];
-      for (int q = 0; q < nv; ++q) {
-        const int64_t row = (v0 + q) / G, head = hk * G + (v0 + q) % G;
-        round_row(qp + head * query.stride(0) + row * query.stride(1), D, q16.data() + q * D);
-        vec[q].q = q16.data() + q * D;
-        vec[q].last = std::min<int64_t>(first + row, KV - 1);
-        vec[q].max = -INFINITY;
-        vec[q].sum = 0.0f;
-        std::fill(vec[q].out, vec[q].out + D, 0.0f);
+      for (int q = 0; q < BLOCK; ++q) {
+        const int64_t i = v0 + (q < nv ? q : 0), row = i / G, head = hk * G + i % G;
+        round_row(qp + head * query.stride(0) + row * query.stride(1), D, blk->q[q]);
+        blk->last[q] = std::min<int64_t>(first + row, KV - 1);
+        blk->max[q] = -INFINITY;
+        blk->sum[q] = 0.0f;
+        std::fill(blk->out[q], blk->out[q] + D, 0.0f);
       }
-      run_block<D>(vec, nv, packed[hk], float(scale));
+      run_block<D>(*blk, packed[hk], float(scale));
       for (int q = 0; q < nv; ++q) {
         const int64_t row = (v0 + q) / G, head = hk * G + (v0 + q) % G;
         float* o = op + (row * H + head) * D;
-        const float inv = 1.0f / vec[q].sum;
-        for (int64_t d = 0; d < D; ++d) o[d] = vec[q].out[d] * inv;
+        const float inv = 1.0f / blk->sum[q];
+        for (int64_t d = 0; d < D; ++d) o[d] = blk->out[q][d] * inv;
       }
     }
   });
