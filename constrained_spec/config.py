@@ -34,6 +34,8 @@ DEFAULT_INT4_KERNEL = "vnni"
 OUTPUT_KERNELS: tuple[str, ...] = ("vnni", "torch")
 #: The compiled-constraint cache's bound when ``CONSTRAINED_SPEC_CONSTRAINT_CACHE_MB`` is unset.
 DEFAULT_CONSTRAINT_CACHE_MB = 256.0
+#: MiB of freed memory the allocator keeps when ``CONSTRAINED_SPEC_HEAP_KEEP_MB`` is unset (``models.heap``).
+DEFAULT_HEAP_KEEP_MB = 256
 #: ``CONSTRAINED_SPEC_CUDA_GRAPHS``'s spellings of on and off (any case; unset or empty: on).
 CUDA_GRAPHS_ON = ("on", "1", "true", "yes")
 CUDA_GRAPHS_OFF = ("off", "0", "false", "no")
@@ -123,6 +125,15 @@ def _constraint_cache_mb(raw: str | None) -> float:
     return value
 
 
+def _heap_keep_mb(raw: str | None) -> int:
+    if raw is None or not raw.strip():
+        return DEFAULT_HEAP_KEEP_MB
+    value = raw.strip()
+    if not value.isdigit():
+        raise _Refused(f"a whole number of MiB >= 0 (default {DEFAULT_HEAP_KEEP_MB})")
+    return int(value)
+
+
 #: The hardware profiles ``decoding.profiles`` holds a K_max table for (it checks it holds these).
 HARDWARE_PROFILES: tuple[str, ...] = ("a100-80gb", "cpu", "gb200-nvl72", "h100-80gb", "h100-80gb-x8")
 
@@ -186,6 +197,11 @@ SETTINGS: tuple[Setting, ...] = (
             "`auto`, `off`, a positive integer", "`auto`",
             "torch's thread count: `auto` follows the cores other processes leave free (`models.threads`), "
             "a number fixes it, `off` leaves torch's setting alone. One choice per process: the first load's."),
+    Setting("heap_keep_mb", "CONSTRAINED_SPEC_HEAP_KEEP_MB", "heap keep size", _heap_keep_mb,
+            "a whole number of MiB >= 0", f"`{DEFAULT_HEAP_KEEP_MB}`",
+            "How much freed memory glibc's allocator keeps for reuse (`models.heap`): a long prompt's large "
+            "tensors then reuse the last ones' pages rather than fault in fresh ones (docs/extraction.md); "
+            "`0` leaves the allocator's settings alone. One choice per process: the first load's."),
     Setting("cache_dir", "CONSTRAINED_SPEC_CACHE", "cache folder", _cache_dir,
             "a folder", "`$XDG_CACHE_HOME/constrained_spec` (`~/.cache/constrained_spec`)",
             "Where converted weights, packed kernels' weights and built kernels are kept between runs; "
@@ -261,6 +277,8 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     #: "auto", "off" or a fixed thread count.
     threads: str | int = "auto"
+    #: MiB of freed memory the allocator keeps; 0: its own settings.
+    heap_keep_mb: int = DEFAULT_HEAP_KEEP_MB
     #: None: ``default_cache_dir()``.
     cache_dir: Path | None = None
     constraint_cache_mb: float = DEFAULT_CONSTRAINT_CACHE_MB
@@ -283,6 +301,7 @@ class RuntimeConfig:
         check("prompt_linears", self.prompt_linears in PROMPT_LINEARS, f"one of {_quoted(PROMPT_LINEARS)}")
         check("threads", self.threads in ("auto", "off") or (type(self.threads) is int and self.threads > 0),
               "'auto', 'off' or a positive thread count")
+        check("heap_keep_mb", type(self.heap_keep_mb) is int and self.heap_keep_mb >= 0, "a whole number of MiB >= 0")
         check("cache_dir", self.cache_dir is None or isinstance(self.cache_dir, (str, os.PathLike)), "None or a folder")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))

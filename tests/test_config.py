@@ -37,6 +37,7 @@ def test_an_empty_environment_gives_the_defaults():
     ("threads", "", "auto"), ("threads", "Auto", "auto"), ("threads", "off", "off"), ("threads", " 3 ", 3),
     ("cache_dir", "", None), ("cache_dir", "/tmp/cs cache", Path("/tmp/cs cache")),
     ("constraint_cache_mb", "0", 0.0), ("constraint_cache_mb", "0.5", 0.5), ("constraint_cache_mb", "1e3", 1000.0),
+    ("heap_keep_mb", "", 256), ("heap_keep_mb", " 0 ", 0), ("heap_keep_mb", "1024", 1024),
     ("profile", "", None), ("profile", "gb200-nvl72", "gb200-nvl72"),
 ])
 def test_each_variable_takes_the_values_it_took(field, raw, value):
@@ -56,6 +57,7 @@ def test_cuda_graphs_takes_the_spellings_it_took(raw, on):
     ("int4_kernel", "fast"), ("output_kernel", "fast"), ("attention_kernel", "fast"), ("layer_kernels", "1"),
     ("cuda_graphs", "maybe"), ("threads", "0"), ("threads", "-1"), ("threads", "two"),
     ("constraint_cache_mb", "lots"), ("constraint_cache_mb", "-1"), ("constraint_cache_mb", "nan"),
+    ("heap_keep_mb", "-1"), ("heap_keep_mb", "0.5"), ("heap_keep_mb", "lots"),
     ("profile", "tpu-v5"), ("profile", "CPU"),
 ])
 def test_a_bad_value_names_the_variable_the_value_and_the_values_it_takes(field, raw):
@@ -71,7 +73,8 @@ def test_a_bad_value_names_the_variable_the_value_and_the_values_it_takes(field,
 
 @pytest.mark.parametrize("values", [dict(int4_kernel="fast"), dict(output_kernel="vnni-int8"), dict(threads=0),
                                     dict(threads=True), dict(threads="2"), dict(cuda_graphs="off"),
-                                    dict(constraint_cache_mb=-1), dict(profile="tpu")])
+                                    dict(constraint_cache_mb=-1), dict(heap_keep_mb=-1), dict(heap_keep_mb=1.5),
+                                    dict(profile="tpu")])
 def test_a_config_built_in_code_is_checked_the_same_way(values):
     (field, value), = values.items()
     with pytest.raises(RuntimeConfigError, match=rf"got {field}={re.escape(repr(value))}\.$"):

@@ -471,12 +471,14 @@ def _load_transformers(name_or_path: str, dtype: torch.dtype, device: str | torc
 
 def _adopt_process_settings(config: RuntimeConfig) -> None:
     """Hand ``config``'s process-wide settings to their owners, each made at its first use (so
-    the first load's request holds): the CPU kernels' switches and the thread governor."""
-    from . import attention_kernel, layer_kernels, threads
+    the first load's request holds): the CPU kernels' switches, the thread governor and the
+    memory the allocator keeps (set now: the load's own tensors are the first to reuse it)."""
+    from . import attention_kernel, heap, layer_kernels, threads
 
     attention_kernel.enabled.request(config.attention_kernel)
     layer_kernels.enabled.request(config.layer_kernels)
     threads.request_threads(config.threads)
+    heap.keep_freed_memory(config.heap_keep_mb)
 
 
 def _make_invariant(model: Any, *, cuda_graphs: bool) -> None:
