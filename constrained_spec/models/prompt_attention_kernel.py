@@ -7,8 +7,10 @@ multiplies bfloat16 pairs (``vdpbf16ps``) at twice float32's rate (docs/extracti
 ``kernels/prompt_attention.cpp`` rounds queries, keys and values to bfloat16 (to nearest even,
 as torch does), then for each (row, head): tiles of 64 keys cut at fixed positions from key 0,
 up to the row's own position; each tile's scores by pairs of dimensions in float32, an online
-softmax in float32 (exp by a Cephes polynomial, about 1 ulp), the weights rounded to bfloat16,
-the values accumulated by pairs of keys in float32; then divided by the weights' sum. Every row
+softmax in float32 (in base 2, by Cephes' exp2f polynomial, about 1 ulp; each tile's maximum
+reduced only where a score passes the running one, the weights' sum kept lane by lane), the
+weights rounded to bfloat16, the values accumulated by pairs of keys in float32; then divided
+by the weights' sum. Twelve query vectors of a key head share each load of a tile. Every row
 runs the same arithmetic whatever rows, heads or threads are beside it and however its prompt
 was cut into chunks: a chunk's keys and values are the same bits alone, in a batch or from the
 prefix cache, at any thread count (tested). Its precision is that of torch's bfloat16 attention.

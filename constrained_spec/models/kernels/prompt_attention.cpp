@@ -9,12 +9,12 @@
 // query vectors of that key head (four rows of three heads sharing a key head, say), for each
 // tile up to the last one a vector sees: the scores of all twelve (one vdpbf16ps per pair of
 // dimensions, each key pair loaded once for the block), an online softmax per vector in float32
-// (exp by a Cephes polynomial), its weights rounded to bfloat16, and the values accumulated (one
-// vdpbf16ps per pair of keys, each value pair loaded once for the block). A vector's arithmetic is
-// the same in any block: the block only shares loads, so a twelve-vector block gives the bits of
-// a four-vector one. Why: torch's CPU flash attention runs bfloat16 no faster than float32 on a CPU
-// without AMX, where this instruction doubles the multiply-adds per cycle; twelve vectors a block
-// keep the loads and the softmax below the multiply-adds (docs/extraction.md).
+// (in base 2, by Cephes' exp2f polynomial; the sum kept lane by lane), its weights rounded to
+// bfloat16, and the values accumulated (one vdpbf16ps per pair of keys, each value pair loaded
+// once for the block). A vector's arithmetic is the same in any block: the block only shares
+// loads. Why: torch's CPU flash attention runs bfloat16 no faster than float32 on a CPU without
+// AMX, where this instruction doubles the multiply-adds per cycle; twelve vectors a block keep
+// the loads below the multiply-adds (docs/extraction.md).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,20 +32,21 @@ constexpr int LANES = 16;
 constexpr int TILE = 64;   // keys a tile: four vectors of 16 scores
 constexpr int BLOCK = 12;  // query vectors a pass over the keys (12 x 2 accumulators + 3 of 32 registers)
 
-// exp(x) for x <= 0, as in row_attention.cpp (Cephes' expf, about 1 ulp; exp(0) is exactly 1).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+// 2^x for x <= 0 (scores less their maximum, in base 2: the scale folds in log2(e)), Cephes'
+// exp2f: x = n + f, |f| <= 1/2, a degree-6 polynomial for 2^f, then 2^n by vscalefps (0 past
+// the float range). About 1 ulp, four operations fewer than exp's (no multiply by log2(e), no
+// two-part reduction by ln 2).
+inline __m512 exp2_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -118,7 +119,8 @@ struct Block {
   alignas(64) float scores[BLOCK][TILE];
   alignas(64) uint16_t weights[BLOCK][TILE];
   int64_t last[BLOCK];  // the last key each sees
-  float max[BLOCK], sum[BLOCK], alpha[BLOCK];
+  alignas(64) float sum[BLOCK][LANES];  // the weights' sums, lane by lane
+  float max[BLOCK], alpha[BLOCK];
 };
 
 // Scores of a tile's 64 keys for every vector, 32 keys at a time: one vdpbf16ps a pair of
@@ -148,31 +150,38 @@ inline void tile_scores(Block<D>& blk, const uint16_t* kt) {
 
 // One vector's online softmax step over a tile's scores: its weights rounded to bfloat16, the
 // factor that rescales its output. Keys past the vector's last are masked: their weight is 0.
+// Two horizontal reductions a tile cost as much as the exps: the tile's maximum is reduced only
+// where a score passes the running one (else the maximum stays and the factor is exactly 1, as
+// exp(0) is), and the weights' sum is kept lane by lane and reduced once, at the end.
 template <int D>
 inline void tile_softmax(Block<D>& blk, int q, int64_t j0, float scale) {
   const __m512 sc = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+  const __m512 running = _mm512_set1_ps(blk.max[q]);
   const int64_t seen = std::min<int64_t>(TILE, blk.last[q] - j0 + 1);
-  __mmask16 keep[4];
+  __mmask16 keep[4], above = 0;
   __m512 s[4];
-  __m512 m = minus_inf;
   for (int b = 0; b < 4; ++b) {
     const int64_t n = std::max<int64_t>(0, std::min<int64_t>(LANES, seen - b * LANES));
     keep[b] = n >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
     s[b] = _mm512_mask_mul_ps(minus_inf, keep[b], _mm512_load_ps(blk.scores[q] + b * LANES), sc);
-    m = _mm512_max_ps(m, s[b]);
+    above |= _mm512_cmp_ps_mask(s[b], running, _CMP_GT_OQ);
   }
-  const float tile_max = _mm512_reduce_max_ps(m);
-  const float new_max = std::max(blk.max[q], tile_max);
-  blk.alpha[q] =
-      blk.max[q] == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(blk.max[q] - new_max)));
+  float new_max = blk.max[q];
+  blk.alpha[q] = 1.0f;
+  if (above) {
+    const __m512 m = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
+    new_max = _mm512_reduce_max_ps(m);  // above the running maximum, so the new one
+    blk.alpha[q] =
+        blk.max[q] == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp2_nonpositive(_mm512_set1_ps(blk.max[q] - new_max)));
+  }
   const __m512 nm = _mm512_set1_ps(new_max);
-  __m512 total = _mm512_setzero_ps();
+  __m512 total = _mm512_mul_ps(_mm512_load_ps(blk.sum[q]), _mm512_set1_ps(blk.alpha[q]));
   for (int b = 0; b < 4; ++b) {
-    const __m512 w = _mm512_maskz_mov_ps(keep[b], exp_nonpositive(_mm512_sub_ps(s[b], nm)));
+    const __m512 w = _mm512_maskz_mov_ps(keep[b], exp2_nonpositive(_mm512_sub_ps(s[b], nm)));
     total = _mm512_add_ps(total, w);
     _mm256_store_si256(reinterpret_cast<__m256i*>(blk.weights[q] + b * LANES), (__m256i)_mm512_cvtneps_pbh(w));
   }
-  blk.sum[q] = blk.sum[q] * blk.alpha[q] + _mm512_reduce_add_ps(total);
+  _mm512_store_ps(blk.sum[q], total);
   blk.max[q] = new_max;
 }
 
@@ -259,14 +268,14 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
         round_row(qp + head * query.stride(0) + row * query.stride(1), D, blk->q[q]);
         blk->last[q] = std::min<int64_t>(first + row, KV - 1);
         blk->max[q] = -INFINITY;
-        blk->sum[q] = 0.0f;
+        std::fill(blk->sum[q], blk->sum[q] + LANES, 0.0f);
         std::fill(blk->out[q], blk->out[q] + D, 0.0f);
       }
-      run_block<D>(*blk, packed[hk], float(scale));
+      run_block<D>(*blk, packed[hk], float(scale * 1.4426950408889634));  // scores in base 2
       for (int q = 0; q < nv; ++q) {
         const int64_t row = (v0 + q) / G, head = hk * G + (v0 + q) % G;
         float* o = op + (row * H + head) * D;
-        const float inv = 1.0f / blk->sum[q];
+        const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(blk->sum[q]));
         for (int64_t d = 0; d < D; ++d) o[d] = blk->out[q][d] * inv;
       }
     }
