@@ -275,3 +275,47 @@ def test_the_loaded_tokenizer_keeps_no_python_copy_of_its_tables_and_tokenizes_t
     ids = handle.tokenizer(text)["input_ids"]
     assert ids == fresh(text)["input_ids"] and handle.tokenizer.decode(ids) == fresh.decode(ids)
     assert handle.tokenizer.get_vocab() == fresh.get_vocab()
+
+
+def test_a_gemma_files_sliding_layers_attend_on_the_prompt_kernel_chunk_invariantly(tmp_path, monkeypatch):
+    """Gemma 3's local layers see a sliding window of keys. Where the bfloat16 prompt attention
+    kernel builds, a native GGUF model's prompt chunks attend on it with the file's window, and a
+    prompt fed in chunks of 64 leaves every layer's keys with the bits of one 1,024-token chunk."""
+    from constrained_spec.constraint import compile_constraint
+    from constrained_spec.decoding import FixedK, SpeculativeDecoder
+    from constrained_spec.decoding import prefix as prefix_module
+    from constrained_spec.models import prompt_attention_kernel
+
+    if not prompt_attention_kernel.available():
+        pytest.skip("no AVX512_BF16 prompt attention kernel here")
+    path = write_tiny_gguf(tmp_path / "tiny-gemma3-window.gguf", arch="gemma3", types=MIXES["gemma3"], seed=7,
+                           sliding_window=40, **SHAPE)
+    try:
+        handle = load_model(str(path))
+        attention = [m for m in handle.model.modules() if type(m).__name__.endswith("Attention")]
+        assert attention and all(m.prompt_attention_dtype == torch.bfloat16 for m in attention)
+        windows: list[int] = []
+        attend = prompt_attention_kernel.attend
+
+        def recording(*args, **kwargs):
+            windows.append(args[5] if len(args) > 5 else kwargs.get("window", 0))
+            return attend(*args, **kwargs)
+
+        monkeypatch.setattr(prompt_attention_kernel, "attend", recording)
+        text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))
+        prompt = handle.tokenizer(text + " The answer: ", add_special_tokens=False)["input_ids"]
+        assert len(prompt) > 4 * 64
+        compiled = compile_constraint(r"(yes|no), [a-z]{2,12}", handle.tokenizer, kind="regex")
+
+        def first_pass_keys(chunk: int) -> list[torch.Tensor]:
+            monkeypatch.setattr(prefix_module, "PREFILL_CHUNK", chunk)
+            dec = SpeculativeDecoder(handle.model, compiled.matcher(), prompt, k_policy=FixedK(1), max_new_tokens=4)
+            dec.begin()
+            dec._verify_forward(dec.plan())
+            return [layer.keys[0][..., : len(prompt) - 1, :].clone() for layer in dec.cache.layers]
+
+        whole, chunked = first_pass_keys(1024), first_pass_keys(64)
+        assert set(windows) == {40}  # every layer of this two-layer file is a local one
+        assert len(whole) == 2 and all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    finally:
+        shutil.rmtree(metadata_location(path), ignore_errors=True)

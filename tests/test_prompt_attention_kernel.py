@@ -15,13 +15,15 @@ pytestmark = pytest.mark.skipif(not kernel.available(), reason="no AVX512_BF16 k
 SCALE = 0.125
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> torch.Tensor:
-    """float64 causal attention of the bfloat16-rounded inputs, ``[1, r, h, d]``."""
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int = 0) -> torch.Tensor:
+    """float64 causal attention of the bfloat16-rounded inputs, ``[1, r, h, d]`` (with a sliding
+    ``window``: each row's last ``window`` keys)."""
     q, k, v = (t.to(torch.bfloat16).double() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     rows, keys = q.shape[2], k.shape[2]
-    allowed = torch.arange(keys)[None, :] <= first + torch.arange(rows)[:, None]
+    position, key = first + torch.arange(rows)[:, None], torch.arange(keys)[None, :]
+    allowed = (key <= position) & ((key > position - window) if window else True)
     s = (q @ k.transpose(-1, -2) * SCALE).masked_fill(~allowed, float("-inf"))
     return (torch.softmax(s, -1) @ v).transpose(1, 2).float()
 
@@ -86,3 +88,47 @@ def test_the_masks_of_a_prompt_chunk_are_recognised_as_causal_and_others_are_not
     assert not _causal(allowed[None, None].repeat(2, 1, 1, 1), first)  # two batch rows
     half_hidden = additive.masked_fill(~allowed, -1.0)  # a bias, not a mask
     assert not _causal(half_hidden[None, None], first)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 1, 256), (9, 3, 64)])
+@pytest.mark.parametrize("window,first,rows", [(512, 0, 300), (512, 700, 200), (100, 37, 150), (64, 130, 70),
+                                               (1, 5, 9), (4096, 10, 50)])
+def test_a_sliding_window_sees_each_rows_last_keys_only(heads, kv_heads, dim, window, first, rows):
+    """Gemma 3's local layers: row ``i`` sees keys ``first + i - window + 1 .. first + i``, tiles
+    at any offset from the window's start, a window of one key, and one wider than the prompt."""
+    q, k, v = _inputs(heads, kv_heads, dim, rows, first + rows, seed=window + first + rows)
+    got = kernel.attend(q, k, v, first, SCALE, window)
+    assert (got - _reference(q, k, v, first, window)).abs().max() < 1e-2
+    # Keys before the window change nothing: the rows' bits are those of keys that were never there.
+    start = max(0, first - window + 1)  # the first key row 0 sees
+    if start:
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, :start] *= 1000
+        v2[:, :, :start] = -1e30
+        assert torch.equal(kernel.attend(q, k2, v2, first, SCALE, window), got)
+
+
+def test_a_windowed_rows_bits_do_not_depend_on_its_chunk_or_the_thread_count():
+    q, k, v = _inputs(4, 1, 256, 600, 600, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = kernel.attend(q, k, v, 0, SCALE, 200)
+        torch.set_num_threads(1)
+        one_thread = kernel.attend(q, k, v, 0, SCALE, 200)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(whole, one_thread)
+    for start, rows in ((0, 256), (256, 256), (512, 88), (333, 1)):
+        chunk = kernel.attend(q[:, :, start : start + rows], k[:, :, : start + rows], v[:, :, : start + rows],
+                              start, SCALE, 200)
+        assert torch.equal(chunk, whole[:, start : start + rows]), (start, rows)
+
+
+def test_a_sliding_mask_is_recognised_with_its_window_only():
+    rows, first, window = 6, 9, 4
+    position, key = first + torch.arange(rows)[:, None], torch.arange(first + rows)[None, :]
+    sliding = ((key <= position) & (key > position - window))[None, None]
+    assert _causal(sliding, first, window)
+    assert not _causal(sliding, first) and not _causal(sliding, first, window + 1)
+    assert not _causal((key <= position)[None, None], first, window)  # a causal mask is not a window's

@@ -248,16 +248,19 @@ def default_configs() -> list[DocConfig]:
 
 
 def runtime_config_rows(handle: ModelHandle, overrides: Iterable[str]) -> list[DocConfig]:
-    """The default rows, then target-only and auto again on the embedded model loaded with each of
-    ``overrides``: ``RuntimeConfig`` fields as ``field=value`` pairs joined by commas (e.g.
-    ``prompt_linears=dense,prompt_attention=bfloat16``, values as the variables take them): the
-    path before a change side by side with the current one, in one run."""
+    """The default rows, then target-only and auto again on the same native model (the embedded
+    one, or the same GGUF file) loaded with each of ``overrides``: ``RuntimeConfig`` fields as
+    ``field=value`` pairs joined by commas (e.g. ``prompt_linears=dense,prompt_attention=bfloat16``,
+    values as the variables take them): the path before a change side by side with the current
+    one, in one run."""
     from ..config import RuntimeConfig
     from ..models import load_model
     from ..models.loading import DEFAULT_MODEL_NAME
 
-    if handle.native_precision is None or not handle.name.startswith(DEFAULT_MODEL_NAME):
-        raise ValueError("Invalid --row-config: it compares settings of the native embedded model.")
+    embedded = handle.native_precision is not None and handle.name.startswith(DEFAULT_MODEL_NAME)
+    if handle.native_precision is None or not (embedded or handle.gguf_file is not None):
+        raise ValueError("Invalid --row-config: it compares settings of a model at native precision (the embedded "
+                         "one or a GGUF file).")
     configs = default_configs()
     for text in overrides:
         pairs = dict(pair.split("=", 1) for pair in text.split(",") if "=" in pair)
@@ -267,7 +270,8 @@ def runtime_config_rows(handle: ModelHandle, overrides: Iterable[str]) -> list[D
             config = dataclasses.replace(RuntimeConfig.from_env(), **pairs)
         except TypeError as e:
             raise ValueError(f"Invalid --row-config {text!r}: {e}") from None
-        other = load_model(precision=handle.native_precision, config=config)
+        other = (load_model(precision=handle.native_precision, config=config) if embedded
+                 else load_model(str(handle.gguf_file), config=config))
         configs += [DocConfig(f"{c.name}, {text}", c.drafter, c.draft, c.options, other) for c in default_configs()]
     return configs
 

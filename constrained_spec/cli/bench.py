@@ -443,7 +443,8 @@ def documents_cmd(
     llama_cpp: bool = LlamaCppOpt,
     row_configs: Optional[list[str]] = typer.Option(
         None, "--row-config",
-        help="Also run target-only and auto on the embedded model loaded with these runtime settings, as "
+        help="Also run target-only and auto on the same native model (the embedded one or --model's GGUF file) "
+             "loaded with these runtime settings, as "
              "field=value pairs joined by commas (repeatable; e.g. prompt_linears=dense,prompt_attention=auto: "
              "the prompt path before int8 prompt rows)."),
     json_out: Optional[Path] = JsonOpt,

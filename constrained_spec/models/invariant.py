@@ -236,16 +236,17 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     # Prompt rows in ``prompt_attention_dtype`` (set at load; None: the query's), on the bfloat16
     # kernel where it takes them, else the keys converted once for every chunk of the forward.
     prompt_dtype = getattr(module, "prompt_attention_dtype", None) or query.dtype
-    kernel = (prompt_dtype == torch.bfloat16 and not dropout and _plain_attention(kwargs)
-              and prompt_attention_kernel.usable(query, key))
+    window = kwargs.get("sliding_window") or 0  # the kernel's masks include a sliding window
+    kernel = (prompt_dtype == torch.bfloat16 and not dropout and _plain_attention({**kwargs, "sliding_window": None})
+              and isinstance(window, int) and prompt_attention_kernel.usable(query, key))
     prompt_keys = prompt_values = None
     for chunk, (start, rows) in enumerate(segments):  # each prompt chunk on its own keys (decoding.prefix)
         keys = past + start + rows
         if kernel and (attention_mask is None
-                       or _causal(attention_mask[..., start : start + rows, :keys], past + start)):
+                       or _causal(attention_mask[..., start : start + rows, :keys], past + start, window)):
             # Bfloat16 on the CPU's pair instruction, row by row (models.prompt_attention_kernel).
             out = prompt_attention_kernel.attend(query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys],
-                                                 past + start, scale)
+                                                 past + start, scale, window)
             parts.append(out.to(query.dtype))
             continue
         kernel = False  # a mask of another shape (padding): torch's kernel from this chunk on
@@ -284,14 +285,17 @@ def _plain_attention(kwargs: dict[str, Any]) -> bool:
     return all(kwargs.get(name) is None for name in ("sliding_window", "softcap", "position_bias", "s_aux"))
 
 
-def _causal(mask: torch.Tensor, first: int) -> bool:
+def _causal(mask: torch.Tensor, first: int, window: int = 0) -> bool:
     """Whether ``mask`` (``[1, 1, rows, keys]``, boolean or additive) lets row ``i`` see exactly
-    keys ``0 .. first + i``: the masks a request's own pass and a packed step give a prompt chunk
-    (a padded batch's are not)."""
+    keys ``0 .. first + i`` (with ``window``, only the last ``window`` of them): the masks a
+    request's own pass and a packed step give a prompt chunk (a padded batch's are not, nor a
+    sliding cache's, whose keys do not start at position 0)."""
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
         return False
     rows, keys = mask.shape[-2:]
-    allowed = torch.arange(keys, device=mask.device)[None, :] <= first + torch.arange(rows, device=mask.device)[:, None]
+    position = first + torch.arange(rows, device=mask.device)[:, None]
+    key = torch.arange(keys, device=mask.device)[None, :]
+    allowed = (key <= position) & ((key > position - window) if window else True)
     if mask.dtype == torch.bool:
         return torch.equal(mask[0, 0], allowed)
     # Additive: 0 where seen, and at most the dtype's lowest where hidden (its weight is 0).

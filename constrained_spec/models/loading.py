@@ -214,11 +214,12 @@ def _int8_prompt_rows(config: RuntimeConfig, vnni: bool) -> bool:
 
 
 def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:
-    """Let the native model's prompt rows attend in bfloat16 where ``config`` asks for it, or
-    leaves it to the machine (``auto``) and AMX multiplies it: the same per-chunk calls, so a chunk's keys are still
-    the same bits alone, in a batch or from the prefix cache (``models.invariant``). With AMX
-    bfloat16 attention is a fraction of float32's cost over a long document; with AVX512_BF16
-    alone torch's bfloat16 attention was no faster than its float32 (docs/extraction.md, "Measured:
+    """Let a native model's prompt rows (the embedded one's, a GGUF file's) attend in bfloat16
+    where ``config`` asks for it, or where it is left to the machine (``auto``) and AMX or the
+    project's kernel multiplies it: the same per-chunk calls, so a chunk's keys are still the
+    same bits alone, in a batch or from the prefix cache (``models.invariant``). Over a long
+    document bfloat16 attention is a fraction of float32's cost there; with AVX512_BF16 alone
+    torch's bfloat16 attention was no faster than its float32 (docs/extraction.md, "Measured:
     long documents")."""
     from . import prompt_attention_kernel
     from .int4 import amx_bfloat16
@@ -246,7 +247,7 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
                              "own precision) or 'float32' / 'bfloat16' (dequantized).")
     if not path.is_file():
         raise ModelLoadError(f"Could not load model {str(path)!r}: no such GGUF file.")
-    key = (str(path.resolve()), precision, str(device), config.int4_kernel, config.cuda_graphs)
+    key = (str(path.resolve()), precision, str(device), config.int4_kernel, config.cuda_graphs, config.prompt_attention)
     if key in _LOADED:
         return _LOADED[key]
     folder = metadata_folder(path)
@@ -268,6 +269,8 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
         # float32 on the CPU: the file's weights dequantized exactly, on the same batch-invariant
         # forward (a draft of the same file at native precision then verifies exactly).
         model = make_batch_invariant(native_model(path, hf_config, folder, dense=not native))
+        if native:  # float32 stays the file's exact model throughout
+            _set_prompt_attention(model, config)
         install_gguf_decode(model)
         name = f"{path.stem} ({precision})"
     else:

@@ -48,12 +48,13 @@ def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
             and query.shape[-1] in _HEAD_DIMS and query.shape[1] % key.shape[1] == 0 and available())
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scale: float) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scale: float,
+           window: int = 0) -> torch.Tensor:
     """Causal attention of ``query`` ``[1, h, r, d]`` over ``key`` / ``value`` ``[1, h_kv, kv, d]``
-    (any float dtype; rounded to bfloat16 in the kernel), row ``i`` seeing keys ``0 .. first + i``:
-    float32 ``[1, r, h, d]``."""
+    (any float dtype; rounded to bfloat16 in the kernel), row ``i`` seeing keys ``0 .. first + i``,
+    or with a sliding ``window`` > 0 the last ``window`` of them: float32 ``[1, r, h, d]``."""
     q, k, v = (t[0].to(torch.float32) for t in (query, key, value))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()
-    return torch.ops.constrained_spec.prompt_attend(q, k, v, first, scale)[None]
+    return torch.ops.constrained_spec.prompt_attend(q, k, v, first, scale, window)[None]

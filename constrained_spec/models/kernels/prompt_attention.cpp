@@ -118,7 +118,7 @@ struct Block {
   alignas(64) float out[BLOCK][D];
   alignas(64) float scores[BLOCK][TILE];
   alignas(64) uint16_t weights[BLOCK][TILE];
-  int64_t last[BLOCK];  // the last key each sees
+  int64_t from[BLOCK], last[BLOCK];  // the first and the last key each sees
   alignas(64) float sum[BLOCK][LANES];  // the weights' sums, lane by lane
   float max[BLOCK], alpha[BLOCK];
 };
@@ -149,7 +149,7 @@ inline void tile_scores(Block<D>& blk, const uint16_t* kt) {
 }
 
 // One vector's online softmax step over a tile's scores: its weights rounded to bfloat16, the
-// factor that rescales its output. Keys past the vector's last are masked: their weight is 0.
+// factor that rescales its output. Keys outside the vector's own are masked: their weight is 0.
 // Two horizontal reductions a tile cost as much as the exps: the tile's maximum is reduced only
 // where a score passes the running one (else the maximum stays and the factor is exactly 1, as
 // exp(0) is), and the weights' sum is kept lane by lane and reduced once, at the end.
@@ -157,12 +157,13 @@ template <int D>
 inline void tile_softmax(Block<D>& blk, int q, int64_t j0, float scale) {
   const __m512 sc = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
   const __m512 running = _mm512_set1_ps(blk.max[q]);
-  const int64_t seen = std::min<int64_t>(TILE, blk.last[q] - j0 + 1);
+  // The tile's keys this vector sees: lanes lo .. hi - 1.
+  const int64_t lo = std::max<int64_t>(0, blk.from[q] - j0), hi = std::min<int64_t>(TILE, blk.last[q] - j0 + 1);
   __mmask16 keep[4], above = 0;
   __m512 s[4];
   for (int b = 0; b < 4; ++b) {
-    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(LANES, seen - b * LANES));
-    keep[b] = n >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+    const int64_t l = std::clamp<int64_t>(lo - b * LANES, 0, LANES), h = std::clamp<int64_t>(hi - b * LANES, 0, LANES);
+    keep[b] = __mmask16(((1u << h) - 1u) & ~((1u << l) - 1u));
     s[b] = _mm512_mask_mul_ps(minus_inf, keep[b], _mm512_load_ps(blk.scores[q] + b * LANES), sc);
     above |= _mm512_cmp_ps_mask(s[b], running, _CMP_GT_OQ);
   }
@@ -217,13 +218,13 @@ inline void tile_values(Block<D>& blk, const uint16_t* vt, const bool* sees) {
 
 template <int D>
 void run_block(Block<D>& blk, const Packed& kv, float scale) {
-  int64_t last = 0;
-  for (int q = 0; q < BLOCK; ++q) last = std::max(last, blk.last[q]);
-  for (int64_t t = 0; t * TILE <= last; ++t) {
+  int64_t from = blk.from[0], last = 0;
+  for (int q = 0; q < BLOCK; ++q) from = std::min(from, blk.from[q]), last = std::max(last, blk.last[q]);
+  for (int64_t t = from / TILE; t * TILE <= last; ++t) {
     const int64_t j0 = t * TILE;
     // A vector that sees no key of this tile keeps its state: its bits must not depend on it.
     bool sees[BLOCK];
-    for (int q = 0; q < BLOCK; ++q) sees[q] = blk.last[q] >= j0;
+    for (int q = 0; q < BLOCK; ++q) sees[q] = blk.last[q] >= j0 && blk.from[q] < j0 + TILE;
     tile_scores<D>(blk, kv.keys.get() + t * D * TILE);
     for (int q = 0; q < BLOCK; ++q) {
       if (sees[q]) {
@@ -239,22 +240,25 @@ void run_block(Block<D>& blk, const Packed& kv, float scale) {
 
 template <int D>
 void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t first, double scale,
-            at::Tensor& out) {
+            int64_t window, at::Tensor& out) {
   const int64_t H = query.size(0), R = query.size(1), KVH = key.size(0), KV = key.size(1), G = H / KVH;
   const float* qp = query.const_data_ptr<float>();
   const float* kp = key.const_data_ptr<float>();
   const float* vp = value.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tiles = (KV + TILE - 1) / TILE;
+  // The first key row i sees: 0, or the window's first; tiles before row 0's are never read.
+  const auto first_seen = [&](int64_t row) { return window > 0 ? std::max<int64_t>(0, first + row - window + 1) : 0; };
+  const int64_t skipped = first_seen(0) / TILE, needed = tiles - skipped;
   std::vector<Packed> packed(KVH);
   for (auto& p : packed) {
     p.keys.reset(new uint16_t[tiles * D * TILE]);
     p.values.reset(new uint16_t[tiles * TILE * D]);
   }
-  at::parallel_for(0, KVH * tiles, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, KVH * needed, 1, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u)
-      pack_tile(kp + (u / tiles) * key.stride(0), vp + (u / tiles) * value.stride(0), key.stride(1), KV, D, u % tiles,
-                packed[u / tiles]);
+      pack_tile(kp + (u / needed) * key.stride(0), vp + (u / needed) * value.stride(0), key.stride(1), KV, D,
+                skipped + u % needed, packed[u / needed]);
   });
   // Query vectors of one key head in (row, head) order; blocks of BLOCK consecutive ones.
   const int64_t per_head = R * G, blocks = (per_head + BLOCK - 1) / BLOCK;
@@ -266,6 +270,7 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
       for (int q = 0; q < BLOCK; ++q) {
         const int64_t i = v0 + (q < nv ? q : 0), row = i / G, head = hk * G + i % G;
         round_row(qp + head * query.stride(0) + row * query.stride(1), D, blk->q[q]);
+        blk->from[q] = first_seen(row);
         blk->last[q] = std::min<int64_t>(first + row, KV - 1);
         blk->max[q] = -INFINITY;
         std::fill(blk->sum[q], blk->sum[q] + LANES, 0.0f);
@@ -283,9 +288,9 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
 }
 
 // query [H, R, D], key / value [KVH, KV, D] (float32, unit stride along D); row i sees keys
-// 0 .. first + i. Returns float32 [R, H, D].
+// 0 .. first + i, or with window > 0 the last `window` of them. Returns float32 [R, H, D].
 at::Tensor prompt_attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t first,
-                         double scale) {
+                         double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prompt_attend: [H, R, D] and [KVH, KV, D]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
               "prompt_attend: float32 tensors");
@@ -294,12 +299,13 @@ at::Tensor prompt_attend(const at::Tensor& query, const at::Tensor& key, const a
   const int64_t H = query.size(0), R = query.size(1), D = query.size(2), KVH = key.size(0);
   TORCH_CHECK(KVH > 0 && H % KVH == 0 && key.size(2) == D && value.sizes() == key.sizes(), "prompt_attend: shapes");
   TORCH_CHECK(first >= 0 && first + R <= key.size(1), "prompt_attend: rows past the keys");
+  TORCH_CHECK(window >= 0, "prompt_attend: window >= 0");
   auto out = at::empty({R, H, D}, query.options());
   if (R == 0) return out;
   switch (D) {
-    case 64: attend<64>(query, key, value, first, scale, out); break;
-    case 128: attend<128>(query, key, value, first, scale, out); break;
-    case 256: attend<256>(query, key, value, first, scale, out); break;
+    case 64: attend<64>(query, key, value, first, scale, window, out); break;
+    case 128: attend<128>(query, key, value, first, scale, window, out); break;
+    case 256: attend<256>(query, key, value, first, scale, window, out); break;
     default: TORCH_CHECK(false, "prompt_attend: head dimension 64, 128 or 256");
   }
   return out;
