@@ -1,13 +1,12 @@
 """Freed memory kept for reuse: glibc's allocator told to serve large tensors from its heap and to
 keep ``RuntimeConfig.heap_keep_mb`` MiB of freed memory rather than hand it back to the system.
 
-Why: a long prompt's pass allocates and frees tensors of tens of MiB, layer after layer (a
-4,211-token prompt's MLP activations on the embedded model are 26 MiB each). By default glibc
-serves blocks that large from fresh pages (``mmap`` above its threshold, and the heap's top
-trimmed back to the system past 128 KiB free), so each tensor's pages were faulted in one by one,
-zeroed by the kernel: about 2.5 GiB of page faults a pass, some 15% of its time
-(docs/extraction.md, "Long documents"). With the threshold raised and freed memory kept, the next
-tensor reuses the last one's pages. The cost: the process stays up to ``heap_keep_mb`` MiB larger
+Why: a long prompt's pass allocates and frees tensors of tens of MiB, layer after layer (its
+MLP activations, for one). By default glibc serves blocks that large from fresh pages (``mmap``
+above its threshold, and the heap's top trimmed back to the system past a small margin), so each
+tensor's pages were faulted in one by one, zeroed by the kernel: a share of a long prompt's pass
+that docs/extraction.md ("Long documents") measures. With the threshold raised and freed memory
+kept, the next tensor reuses the last one's pages. The cost: the process stays up to ``heap_keep_mb`` MiB larger
 after a long prompt than it would be (each allocator arena keeps at most that much at its top).
 
 One choice per process, made at the first load (``load_model``); elsewhere than glibc on Linux
