@@ -123,24 +123,32 @@ struct Block {
   float max[BLOCK], alpha[BLOCK];
 };
 
-// Scores of a tile's 64 keys for every vector, 32 keys at a time: one vdpbf16ps a pair of
-// dimensions a vector, each key pair loaded once for the block.
+// acc[q] += vector q's bfloat16 pairs 0 .. N - 1 (row q of `a`, rows `a_row` apart) times the two
+// 16-lane operands at `b`, `b_step` apart a pair: one vdpbf16ps a pair, vector and operand, each
+// operand loaded once for the block. The inner loop of both the scores and the values.
+template <int N>
+inline void pair_products(__m512 (&acc)[BLOCK][2], const uint16_t* a, int64_t a_row, const uint16_t* b,
+                          int64_t b_step) {
+  for (int p = 0; p < N; ++p) {
+    const uint16_t* bp = b + p * b_step;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp), b1 = (__m512bh)_mm512_loadu_si512(bp + LANES * 2);
+    for (int q = 0; q < BLOCK; ++q) {
+      int32_t pair;
+      std::memcpy(&pair, a + q * a_row + 2 * p, 4);
+      const __m512bh aa = (__m512bh)_mm512_set1_epi32(pair);
+      acc[q][0] = _mm512_dpbf16_ps(acc[q][0], aa, b0);
+      acc[q][1] = _mm512_dpbf16_ps(acc[q][1], aa, b1);
+    }
+  }
+}
+
+// Scores of a tile's 64 keys for every vector, 32 keys at a time (pairs along the head dimension).
 template <int D>
 inline void tile_scores(Block<D>& blk, const uint16_t* kt) {
   for (int half = 0; half < 2; ++half) {
     __m512 s[BLOCK][2];
     for (int q = 0; q < BLOCK; ++q) s[q][0] = s[q][1] = _mm512_setzero_ps();
-    for (int p = 0; p < D / 2; ++p) {
-      const uint16_t* kp = kt + p * TILE * 2 + half * 2 * LANES * 2;
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp), k1 = (__m512bh)_mm512_loadu_si512(kp + LANES * 2);
-      for (int q = 0; q < BLOCK; ++q) {
-        int32_t pair;
-        std::memcpy(&pair, blk.q[q] + 2 * p, 4);
-        const __m512bh qq = (__m512bh)_mm512_set1_epi32(pair);
-        s[q][0] = _mm512_dpbf16_ps(s[q][0], qq, k0);
-        s[q][1] = _mm512_dpbf16_ps(s[q][1], qq, k1);
-      }
-    }
+    pair_products<D / 2>(s, blk.q[0], D, kt + half * 2 * LANES * 2, TILE * 2);
     for (int q = 0; q < BLOCK; ++q) {
       _mm512_store_ps(blk.scores[q] + half * 2 * LANES, s[q][0]);
       _mm512_store_ps(blk.scores[q] + half * 2 * LANES + LANES, s[q][1]);
@@ -197,17 +205,7 @@ inline void tile_values(Block<D>& blk, const uint16_t* vt, const bool* sees) {
       o[q][0] = _mm512_mul_ps(_mm512_load_ps(blk.out[q] + c0 * LANES), a);
       o[q][1] = _mm512_mul_ps(_mm512_load_ps(blk.out[q] + c0 * LANES + LANES), a);
     }
-    for (int p = 0; p < TILE / 2; ++p) {
-      const uint16_t* vp = vt + p * D * 2 + c0 * LANES * 2;
-      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp), v1 = (__m512bh)_mm512_loadu_si512(vp + LANES * 2);
-      for (int q = 0; q < BLOCK; ++q) {
-        int32_t pair;
-        std::memcpy(&pair, blk.weights[q] + 2 * p, 4);
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
-        o[q][0] = _mm512_dpbf16_ps(o[q][0], w, v0);
-        o[q][1] = _mm512_dpbf16_ps(o[q][1], w, v1);
-      }
-    }
+    pair_products<TILE / 2>(o, blk.weights[0], TILE, vt + c0 * LANES * 2, D * 2);  // pairs along the keys
     for (int q = 0; q < BLOCK; ++q) {
       if (!sees[q]) continue;
       _mm512_store_ps(blk.out[q] + c0 * LANES, o[q][0]);
