@@ -50,17 +50,9 @@ inline __m512 exp2_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// float32 -> bfloat16, round to nearest even (what vcvtneps2bf16 and torch's conversion do).
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-// Sixteen float32 values rounded as `to_bf16` rounds each (the same integer arithmetic, lane by
-// lane; vcvtneps2bf16 would flush denormals, which torch's conversion keeps).
+// Sixteen float32 values rounded to bfloat16, to nearest even, as torch's conversion rounds each
+// (add 0x7fff plus the kept part's lowest bit, keep the high half; a NaN stays a NaN):
+// vcvtneps2bf16 would flush denormals, which torch's conversion keeps.
 inline __m256i to_bf16x16(__m512 x) {
   const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
