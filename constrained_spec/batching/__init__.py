@@ -6,8 +6,8 @@ with each row's own drafters, K policy and verifier from ``constrained_spec.deco
 and finishing its step; ``packing`` lays every row's new tokens into one
 sequence and gives attention each row's own keys; ``cache`` holds the rows' keys and values on
 shelves bounded in bytes; ``budget`` prices a step so drafts and prompt chunks share it;
-``drafting`` decides whether a step drafts at all, drafting's own cost included; ``heap``
-hands freed memory back to the operating system. The prompt-block prefix cache lives in
+``drafting`` decides whether a step drafts at all, drafting's own cost included (freed shelves'
+memory goes back to the system through ``models.heap``). The prompt-block prefix cache lives in
 ``decoding.prefix``, because the single-request decoder uses it too.
 """
 

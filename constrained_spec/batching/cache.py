@@ -45,7 +45,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ..models import invariant
-from .heap import trim_heap
+from ..models.heap import trim_heap
 from .packing import PackedRows
 
 #: Above this capacity shelves grow by ``LARGE_STEP`` positions rather than doubling, so a long

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..api import RequestParts, submit_request
 from ..batching import BatchEngine, Request
 from ..decoding import SpecOptions
-from ..batching.heap import libc_function
+from ..models.heap import libc_function
 
 
 class QueueFull(Exception):
