@@ -237,7 +237,7 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     # kernel where it takes them, else the keys converted once for every chunk of the forward.
     prompt_dtype = getattr(module, "prompt_attention_dtype", None) or query.dtype
     window = kwargs.get("sliding_window") or 0  # the kernel's masks include a sliding window
-    kernel = (prompt_dtype == torch.bfloat16 and not dropout and _plain_attention({**kwargs, "sliding_window": None})
+    kernel = (prompt_dtype == torch.bfloat16 and not dropout and _plain_attention(kwargs)
               and isinstance(window, int) and prompt_attention_kernel.usable(query, key))
     prompt_keys = prompt_values = None
     for chunk, (start, rows) in enumerate(segments):  # each prompt chunk on its own keys (decoding.prefix)
@@ -280,9 +280,9 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
 
 
 def _plain_attention(kwargs: dict[str, Any]) -> bool:
-    """Whether the attention call asks for nothing beyond scaled causal attention (no sliding
-    window, logit soft cap or position bias)."""
-    return all(kwargs.get(name) is None for name in ("sliding_window", "softcap", "position_bias", "s_aux"))
+    """Whether the attention call asks for nothing the prompt kernel lacks beyond scaled causal
+    attention and a sliding window (no logit soft cap, position bias or attention sinks)."""
+    return all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux"))
 
 
 def _causal(mask: torch.Tensor, first: int, window: int = 0) -> bool:

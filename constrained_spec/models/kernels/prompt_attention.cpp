@@ -216,14 +216,8 @@ void run_block(Block<D>& blk, const Packed& kv, float scale) {
     bool sees[BLOCK];
     for (int q = 0; q < BLOCK; ++q) sees[q] = blk.last[q] >= j0 && blk.from[q] < j0 + TILE;
     tile_scores<D>(blk, kv.keys.get() + t * D * TILE);
-    for (int q = 0; q < BLOCK; ++q) {
-      if (sees[q]) {
-        tile_softmax<D>(blk, q, j0, scale);
-      } else {
-        blk.alpha[q] = 1.0f;
-        std::memset(blk.weights[q], 0, sizeof(blk.weights[q]));
-      }
-    }
+    for (int q = 0; q < BLOCK; ++q)
+      if (sees[q]) tile_softmax<D>(blk, q, j0, scale);  // the others' products are computed, never stored
     tile_values<D>(blk, kv.values.get() + t * TILE * D, sees);
   }
 }
