@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from constrained_spec.models import prompt_attention_kernel as kernel
-from constrained_spec.models.invariant import _causal
+from constrained_spec.models.invariant import _causal, _causal_chunk
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="no AVX512_BF16 kernel here (or AMX, which torch runs)")
 
@@ -88,6 +88,20 @@ def test_the_masks_of_a_prompt_chunk_are_recognised_as_causal_and_others_are_not
     assert not _causal(allowed[None, None].repeat(2, 1, 1, 1), first)  # two batch rows
     half_hidden = additive.masked_fill(~allowed, -1.0)  # a bias, not a mask
     assert not _causal(half_hidden[None, None], first)
+
+
+def test_a_forwards_mask_is_checked_once_a_chunk_and_again_when_it_changes():
+    """The check shared by a forward's layers (``_causal_chunk``) answers for the mask it is
+    handed: another chunk, another window, a changed mask or another mask are checked anew."""
+    keys = 12
+    allowed = (torch.arange(keys)[None, :] <= torch.arange(keys)[:, None])[None, None]
+    assert _causal_chunk(allowed, 0, 4, 4, 8, 0) and _causal_chunk(allowed, 0, 4, 4, 8, 0)
+    assert not _causal_chunk(allowed, 0, 4, 4, 8, 3)  # a window the mask does not have
+    allowed[0, 0, 5, 6] = True  # changed in place: row 5 sees a later key
+    assert not _causal_chunk(allowed, 0, 4, 4, 8, 0)
+    assert _causal_chunk(allowed, 0, 0, 4, 4, 0)  # an earlier chunk, untouched by the change
+    other = (torch.arange(keys)[None, :] <= torch.arange(keys)[:, None])[None, None]
+    assert _causal_chunk(other, 0, 4, 4, 8, 0)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 1, 256), (9, 3, 64)])

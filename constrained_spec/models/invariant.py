@@ -242,8 +242,7 @@ def invariant_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     prompt_keys = prompt_values = None
     for chunk, (start, rows) in enumerate(segments):  # each prompt chunk on its own keys (decoding.prefix)
         keys = past + start + rows
-        if kernel and (attention_mask is None
-                       or _causal(attention_mask[..., start : start + rows, :keys], past + start, window)):
+        if kernel and (attention_mask is None or _causal_chunk(attention_mask, past, start, rows, keys, window)):
             # Bfloat16 on the CPU's pair instruction, row by row (models.prompt_attention_kernel).
             out = prompt_attention_kernel.attend(query[:, :, start : start + rows], key[:, :, :keys], value[:, :, :keys],
                                                  past + start, scale, window)
@@ -300,6 +299,16 @@ def _causal(mask: torch.Tensor, first: int, window: int = 0) -> bool:
         return torch.equal(mask[0, 0], allowed)
     # Additive: 0 where seen, and at most the dtype's lowest where hidden (its weight is 0).
     return bool(torch.equal(mask[0, 0] == 0, allowed) and (mask[0, 0][~allowed] <= torch.finfo(mask.dtype).min).all())
+
+
+def _causal_chunk(mask: torch.Tensor, past: int, start: int, rows: int, keys: int, window: int) -> bool:
+    """``_causal`` for the prompt chunk of rows ``start .. start + rows`` of a forward's ``mask``,
+    checked once for all the layers a forward hands the same mask (a model with sliding layers
+    hands two): the check of every layer's every chunk was a visible share of a prompt pass."""
+    checked = _remembered(f"causal chunks, window {window}", mask, (past, window), dict)
+    if (start, rows, keys) not in checked:
+        checked[start, rows, keys] = _causal(mask[..., start : start + rows, :keys], past + start, window)
+    return checked[start, rows, keys]
 
 
 def _additive_causal(keys: int, first: int, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
