@@ -8,7 +8,8 @@
 // values (key head x 16 dimensions x rows). Why this way: a decode step over a long context
 // reads every key and value once per layer, so the step is bound by memory; the keys are
 // transposed 64 at a time into a tile that stays in the core's cache, never into a buffer the
-// size of the cache, and the values are read once for all the rows that share their keys.
+// size of the cache, the values are read once for all the rows that share their keys, and both
+// are fetched a tile ahead of their use (prefetches change no arithmetic).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -182,6 +183,9 @@ inline void weigh_slices(const float* v0, int64_t key_stride, const int32_t* key
     for (int c = 0; c < CC; ++c) a[i][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const float* vp = v0 + keys[j] * key_stride;
+    if (j + TILE < n)  // a tile ahead, as the scores fetch keys (see there)
+      for (int c = 0; c < CC; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(v0 + keys[j + TILE] * key_stride + c * LANES), _MM_HINT_T1);
     __m512 vv[CC];
     for (int c = 0; c < CC; ++c) vv[c] = _mm512_loadu_ps(vp + c * LANES);
     for (int i = 0; i < NW; ++i) {
@@ -291,6 +295,12 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at:
         std::vector<float*> sp(nq);
         for (int64_t u = begin; u < end; ++u) {
           const int64_t hk = u / tiles, j0 = (u % tiles) * TILE, nb = std::min<int64_t>(TILE, padded - j0) / LANES;
+          // The next tile's keys asked of memory while this one is scored: a decode step over a
+          // long context finds none of them in the cache, and the transposition's own loads
+          // left the core waiting on each (docs/performance.md, attention kernels).
+          for (int64_t j = j0 + TILE; j < std::min<int64_t>(j0 + 2 * TILE, KV); ++j)
+            for (int64_t c = 0; c < D; c += LANES)
+              _mm_prefetch(reinterpret_cast<const char*>(k.at(bi, hk, j) + c), _MM_HINT_T1);
           transpose_tile(k, bi, hk, KV, D, j0, nb, tile.data());
           for (int64_t i = 0; i < rt; ++i)
             for (int64_t g = 0; g < group; ++g) {
