@@ -91,6 +91,14 @@ def _prompt_linears(raw: str | None) -> str:
     return _choice(raw, PROMPT_LINEARS, "'auto'") or "auto"
 
 
+#: What a native model's KV cache holds: "auto" is bfloat16 where its prompt rows attend in it.
+KV_CACHE = ("auto", "float32")
+
+
+def _kv_cache(raw: str | None) -> str:
+    return _choice(raw, KV_CACHE, "'auto'") or "auto"
+
+
 def _cuda_graphs(raw: str | None) -> bool:
     value = (raw or "").strip().lower()
     if value and value not in CUDA_GRAPHS_ON + CUDA_GRAPHS_OFF:
@@ -189,6 +197,11 @@ SETTINGS: tuple[Setting, ...] = (
             "float32) copy of the weights, `int8` on the VNNI kernel with each activation rounded to int8 as "
             "llama.cpp does: faster without AMX and no second copy, further from the float32 model's outputs "
             "(docs/extraction.md has what each costs and changes). Read at each load."),
+    Setting("kv_cache", "CONSTRAINED_SPEC_KV_CACHE", "KV cache", _kv_cache, "`auto`, `float32`", "`auto`",
+            "What a native model's KV cache holds: `auto` bfloat16 where its prompt rows attend in bfloat16 "
+            "and the attention kernels read it (half the memory, and half the bytes a decode step over a long "
+            "document reads; decode rows then see the keys that prompt rows see), else float32; `float32` "
+            "always (docs/extraction.md has what each costs and changes). Read at each load."),
     Setting("cuda_graphs", "CONSTRAINED_SPEC_CUDA_GRAPHS", "CUDA graphs switch", _cuda_graphs,
             "`on`, `1`, `true`, `yes`, `off`, `0`, `false`, `no` (any case)", "`on`",
             "A batch-invariant model on a GPU replays its decode and verify forwards as CUDA graphs "
@@ -274,6 +287,8 @@ class RuntimeConfig:
     prompt_attention: str = "auto"
     #: "auto" (the same as "dense") or "int8".
     prompt_linears: str = "auto"
+    #: "auto" (bfloat16 where the prompt rows attend in it) or "float32".
+    kv_cache: str = "auto"
     cuda_graphs: bool = True
     #: "auto", "off" or a fixed thread count.
     threads: str | int = "auto"
@@ -299,6 +314,7 @@ class RuntimeConfig:
             check(name, isinstance(getattr(self, name), bool), "True or False")
         check("prompt_attention", self.prompt_attention in PROMPT_ATTENTION, f"one of {_quoted(PROMPT_ATTENTION)}")
         check("prompt_linears", self.prompt_linears in PROMPT_LINEARS, f"one of {_quoted(PROMPT_LINEARS)}")
+        check("kv_cache", self.kv_cache in KV_CACHE, f"one of {_quoted(KV_CACHE)}")
         check("threads", self.threads in ("auto", "off") or (type(self.threads) is int and self.threads > 0),
               "'auto', 'off' or a positive thread count")
         check("heap_keep_mb", type(self.heap_keep_mb) is int and self.heap_keep_mb >= 0, "a whole number of MiB >= 0")

@@ -39,6 +39,22 @@ def test_matches_float64_attention_as_closely_as_torch_float32(heads, kv_heads, 
     assert error < margin * stock_error + 1e-6, (error, stock_error)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256)])
+@pytest.mark.parametrize("rows,masked", [(1, False), (5, True), (21, True)])
+def test_bfloat16_keys_give_the_bits_of_float32_keys_of_their_values(heads, kv_heads, dim, rows, masked):
+    """A bfloat16 cache (``RuntimeConfig.kv_cache``) is read as it is: the result is the float32
+    kernel's on the same values widened, bit for bit (rows with and without a mask, 70 keys past
+    a tile's end)."""
+    keys = 198 + rows
+    q, k, v = _qkv(heads, kv_heads, dim, rows, keys, seed=rows)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    allowed = _allowed(None, keys, keys - rows, 0, q.device) if masked else None
+    got = attention_kernel.attend(q, k, v, allowed, dim ** -0.5)
+    assert torch.equal(got, attention_kernel.attend(q, k.float(), v.float(), allowed, dim ** -0.5))
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        torch.ops.constrained_spec.attend_rows(q, k, v.float(), None, 0.125)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256)])
 def test_each_row_of_a_pass_has_its_one_row_bits(threads, heads, kv_heads, dim):

@@ -9,8 +9,7 @@ import shutil
 import pytest
 import torch
 
-from constrained_spec import load_model
-from constrained_spec.models.growing_cache import growing_cache
+from constrained_spec import ModelLoadError, config, load_model
 from constrained_spec.models import layer_kernels, q4_vnni
 from constrained_spec.models.gguf_model import metadata_location
 from tests.test_gguf_model import MIXES, SHAPE, _vocab
@@ -36,9 +35,10 @@ def files(tmp_path_factory):
 
 
 def _passes(model, ids: list[int], splits: list[int], scripted: bool) -> list[torch.Tensor]:
-    """A 20-token prompt pass, then passes of ``splits`` tokens each; every pass's logits and hidden states."""
+    """A 20-token prompt pass, then passes of ``splits`` tokens each, on a cache of the model's own
+    kind (bfloat16 where its prompt rows attend in bfloat16); every pass's logits and hidden states."""
     model.model.gguf_decode.enabled = scripted
-    cache = growing_cache(model.config.num_hidden_layers)
+    cache = model.new_cache()
     out = []
     try:
         with torch.no_grad():
@@ -78,6 +78,22 @@ def test_the_scripted_loop_gives_transformers_forward_bits(files, arch, precisio
     assert len(scripted) == len(stock)
     for a, b in zip(scripted, stock):
         assert torch.equal(a, b), arch
+
+
+def test_a_native_files_cache_keeps_bfloat16_where_its_prompt_rows_attend_in_it(files, monkeypatch):
+    """The cache's dtype follows the prompt rows' attention (``RuntimeConfig.kv_cache``): bfloat16
+    for a native load whose prompt rows attend in bfloat16, float32 when asked for, and float32 for
+    the file's exact float32 model; the scripted loop runs on both kinds."""
+    native = load_model(str(files["llama"])).model
+    bfloat16_prompts = all(getattr(m, "prompt_attention_dtype", None) == torch.bfloat16
+                           for m in native.modules() if type(m).__name__.endswith("Attention"))
+    assert native.new_cache().layers[0].store_dtype == (torch.bfloat16 if bfloat16_prompts else None)
+    assert load_model(str(files["llama"]), precision="float32").model.new_cache().layers[0].store_dtype is None
+    monkeypatch.setenv(config.variable("kv_cache"), "float32")
+    assert load_model(str(files["llama"])).model.new_cache().layers[0].store_dtype is None
+    monkeypatch.setenv(config.variable("kv_cache"), "half")
+    with pytest.raises(ModelLoadError, match="expected one of 'auto', 'float32'"):
+        load_model(str(files["llama"]))
 
 
 def test_gemmas_sliding_window_is_what_hides_keys(files):

@@ -77,6 +77,25 @@ def test_rope_store_rotates_like_transformers_and_writes_the_cache(dim):
     assert torch.equal(values[:, :, outside], before_v[:, :, outside])
 
 
+@pytest.mark.parametrize("dim", [64, 256])
+def test_rope_store_into_a_bfloat16_cache_rounds_as_torch_does(dim):
+    """A bfloat16 cache (``RuntimeConfig.kv_cache``) gets the float32 cache's keys and values
+    rounded by torch's conversion, bit for bit, and the same rotated q."""
+    q_heads, kv_heads, n, past, capacity = 4, 1, 13, 40, 64
+    qkv = _rows(n, (q_heads + 2 * kv_heads) * dim, seed=7) * 30  # wide exponents, many rounding cases
+    emb = torch.cat([torch.arange(past, past + n)[:, None] * torch.rand(1, dim // 2)] * 2, dim=-1)
+    cos, signed = emb.cos(), torch.cat((-emb.sin()[:, : dim // 2], emb.sin()[:, dim // 2 :]), dim=-1)
+    wide_k, wide_v = torch.zeros(1, kv_heads, capacity, dim), torch.zeros(1, kv_heads, capacity, dim)
+    want_q = ops.rope_store(qkv, cos, signed, wide_k, wide_v, past, q_heads, dim)
+    keys, values = (torch.zeros(1, kv_heads, capacity, dim, dtype=torch.bfloat16) for _ in range(2))
+    q = ops.rope_store(qkv, cos, signed, keys, values, past, q_heads, dim)
+    assert torch.equal(q, want_q)
+    assert torch.equal(keys.view(torch.int16), wide_k.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(values.view(torch.int16), wide_v.to(torch.bfloat16).view(torch.int16))
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        ops.rope_store(qkv, cos, signed, keys, wide_v, past, q_heads, dim)
+
+
 def test_bad_inputs_are_refused_by_name():
     x = _rows(2, 64)
     with pytest.raises(RuntimeError, match="contiguous float32 rows"):

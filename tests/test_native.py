@@ -355,7 +355,7 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
         run = flat.run
         flat.run = lambda *a, **k: calls.append(a[0].shape[1]) or run(*a, **k)
         try:
-            cache = growing_cache(model.config.num_hidden_layers, invariant.cache_dtype(model.config, torch.device("cpu")))
+            cache = growing_cache(model.config.num_hidden_layers, invariant.cache_dtype(model))
             model.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, prompt_rows=len(prompt))
             got, at = [], 0
             for k in (1, 4, 1, 12, 21):

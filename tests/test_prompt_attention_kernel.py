@@ -76,6 +76,17 @@ def test_a_rows_bits_do_not_depend_on_its_chunk_or_the_thread_count(heads, kv_he
         assert torch.equal(chunk, whole[:, start : start + rows]), (start, rows)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256)])
+@pytest.mark.parametrize("first,rows,window", [(0, 70, 0), (200, 57, 0), (150, 40, 100)])
+def test_a_bfloat16_cache_gives_the_bits_of_float32_keys_it_rounds(heads, kv_heads, dim, first, rows, window):
+    """Keys and values kept in bfloat16 (``RuntimeConfig.kv_cache``) are packed as they are: the
+    same bits as float32 ones that the kernel rounds to those values itself."""
+    q, k, v = _inputs(heads, kv_heads, dim, rows, first + rows, seed=first + rows)
+    stored_k, stored_v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    assert torch.equal(kernel.attend(q, stored_k, stored_v, first, SCALE, window),
+                       kernel.attend(q, k, v, first, SCALE, window))
+
+
 def test_the_masks_of_a_prompt_chunk_are_recognised_as_causal_and_others_are_not():
     rows, first = 5, 7
     allowed = torch.arange(first + rows)[None, :] <= first + torch.arange(rows)[:, None]

@@ -16,7 +16,7 @@ holds and are freed when it empties. So memory is the rows' capacities summed (a
 twice the positions held, plus slot doubling), not every slot at the longest row's capacity:
 a long document does not size the slots of the short rows beside it.
 ``bytes_per_token`` is ``2 x layers x kv_heads x head_dim x dtype size`` (SmolLM2-135M in
-float32: 46 KiB, in float64 92 KiB).
+bfloat16: 23 KiB, in float32 46 KiB, in float64 92 KiB).
 
 Why not fixed-size blocks from one pool with a block table per row (vLLM's paged attention,
 transformers' continuous-batching ``PagedAttentionCache``): torch has no attention over a
@@ -32,7 +32,9 @@ every step would convert every row's whole cache in every layer, which costs abo
 gather above costs. So the cache pays 92 KiB a position for the speed of every step, up to
 ``LONG_CONTEXT`` positions: past it a row's queries attend in float32 blocks
 (``models.invariant.attend_new_rows``), so the shelves of capacity above it keep float32 (46
-KiB a position; a row moving up converts exactly, once).
+KiB a position; a row moving up converts exactly, once). Where the attention kernels read the
+cache (``models.invariant.cache_dtype``) it keeps the model's own choice throughout: float32, or
+bfloat16 for a native model whose prompt rows attend in bfloat16.
 """
 
 from __future__ import annotations

@@ -313,7 +313,10 @@ def _packed_attention(base: str) -> Any:
         additive = base == "eager"
         for seg in packing.prompts:
             keys = seg.past + seg.length
-            k, v = (t[seg.part][seg.slot : seg.slot + 1, :, :keys].to(query.dtype) for t in (keys_of, values_of))
+            # A float64 cache's exact copies back to the query's dtype; a bfloat16 cache's as they
+            # are (the prompt rows attend in bfloat16 there, ``models.invariant``).
+            k, v = (_prompt_operand(t[seg.part][seg.slot : seg.slot + 1, :, :keys], query.dtype)
+                    for t in (keys_of, values_of))
             mask = prompt_mask(seg, additive, query.dtype)
             extra = {"prompt_rows": seg.length} if base == INVARIANT else {}
             got, _ = fn(module, query[:, :, seg.start : seg.start + seg.length], k, v,
@@ -322,6 +325,12 @@ def _packed_attention(base: str) -> Any:
         return out[None], None
 
     return attention
+
+
+def _prompt_operand(held: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A prompt segment's cached keys or values for its attention: a bfloat16 cache's as they
+    are, any other in ``dtype`` (the query's)."""
+    return held if held.dtype == torch.bfloat16 else held.to(dtype)
 
 
 def install_packed_attention(model: Any) -> None:

@@ -57,7 +57,7 @@ class StepRunner:
         context = getattr(cfg, "max_position_embeddings", None) or 4096
         self.invariant = bool(getattr(target, "batch_invariant", False))
         self.cache = RowCache(cfg.num_hidden_layers, max_batch, context,
-                              dtype=cache_dtype(cfg, self.device) if self.invariant else None)
+                              dtype=cache_dtype(target) if self.invariant else None)
         install_packed_attention(target)
         self._subsets = supports_subsets(target)
         self._additive_mask = cfg._attn_implementation == PACKED_PREFIX + "eager"

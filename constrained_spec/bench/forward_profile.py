@@ -132,8 +132,8 @@ def _weight_bytes(model: nn.Module) -> int:
 def _kv_bytes(model: nn.Module, positions: int) -> int:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    # A batch-invariant model's cache may hold float64 copies (``models.invariant.cache_dtype``).
-    stored = cache_dtype(c, next(model.parameters()).device) if getattr(model, "batch_invariant", False) else None
+    # A batch-invariant model's cache may hold float64 copies or bfloat16 (``models.invariant.cache_dtype``).
+    stored = cache_dtype(model) if getattr(model, "batch_invariant", False) else None
     dtype = stored or next(model.parameters()).dtype
     return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * positions * torch.finfo(dtype).bits // 8
 

@@ -168,14 +168,18 @@ def store_blocks(store: PrefixCache | None, chunks: list[Chunk],
                  layers: Callable[[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]],
                  dtype: torch.dtype | None) -> None:
     """Keep the cacheable ``chunks`` in ``store``; ``layers(start, end)`` gives their positions'
-    keys and values per layer (``[kv_heads, length, head_dim]``), kept in ``dtype`` (a cache may
-    hold float64 copies of float32 keys: back to float32 exactly)."""
+    keys and values per layer (``[kv_heads, length, head_dim]``), kept as the cache holds them but
+    for a cache's float64 copies of float32 keys, kept in ``dtype`` (back to float32 exactly)."""
     if store is None:
         return
+
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if dtype is not None and t.dtype == torch.float64 else t
+
     for chunk in chunks:
         if chunk.key is not None and chunk.key not in store:
             keys, values = layers(chunk.start, chunk.end)
-            store.put(chunk.key, [k.to(dtype or k.dtype) for k in keys], [v.to(dtype or v.dtype) for v in values])
+            store.put(chunk.key, [kept(k) for k in keys], [kept(v) for v in values])
 
 
 @torch.no_grad()

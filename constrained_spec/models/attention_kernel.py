@@ -58,10 +58,11 @@ def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
            scale: float) -> torch.Tensor:
     """Attention of ``query`` ``[b, h, r, d]`` over ``key`` / ``value`` ``[b, h_kv, kv, d]``
-    (float32, or float64 copies of float32 values, read back exactly), ``allowed`` the keys each
-    row sees (``[r, kv]`` or ``[b | 1, 1, r, kv]``; None: every key): float32 ``[b, h, r, d]``, a
-    view whose memory is ``[b, r, h, d]`` (what the output projection reads)."""
-    if key.dtype != torch.float32:
+    (float32, a bfloat16 cache's, read as they are, or float64 copies of float32 values, read
+    back exactly), ``allowed`` the keys each row sees (``[r, kv]`` or ``[b | 1, 1, r, kv]``; None:
+    every key): float32 ``[b, h, r, d]``, a view whose memory is ``[b, r, h, d]`` (what the output
+    projection reads)."""
+    if key.dtype not in (torch.float32, torch.bfloat16) or value.dtype != key.dtype:
         key, value = key.float(), value.float()
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if allowed is not None:

@@ -116,10 +116,13 @@ def build(source: str, needs: tuple[str, ...], extra_flags: tuple[str, ...] = ()
 
 def kernel_paths(source: str, extra_flags: tuple[str, ...] = ()) -> tuple[Path, Path, Path]:
     """Where ``kernels/<source>`` built with ``extra_flags`` lives in the cache: its folder, its
-    library and its build lock. The folder's name changes with the source, the flags and torch."""
+    library and its build lock. The folder's name changes with the source, the headers it may
+    include (``kernels/*.h``), the flags and torch."""
     path = KERNELS / source
     flags = _BASE_FLAGS + list(extra_flags)
-    tag = hashlib.sha256(path.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(KERNELS.glob("*.h")))
+    tag = hashlib.sha256(path.read_bytes() + headers + " ".join(flags).encode()
+                         + torch.__version__.encode()).hexdigest()[:12]
     directory = cache_dir() / "kernels" / f"{path.stem}-{tag}"
     # The name torch's builder gives the library, so a cache filled by an earlier version loads as is.
     return directory, directory / f"constrained_spec_{path.stem}_{tag}.so", directory / "build.lock"

@@ -281,12 +281,12 @@ class GGUFDecode:
 
     def can_run(self, cache: Any, device: torch.device) -> bool:
         """Whether this forward can take the scripted loop: on the CPU with the layer kernels, a
-        cache whose float32 layers let their buffers be written (``GrowingLayer.room_for``),
-        each already holding positions of this request."""
+        cache whose float32 or bfloat16 layers let their buffers be written
+        (``GrowingLayer.room_for``), each already holding positions of this request."""
         return (self.enabled and device.type == "cpu" and layer_kernels.enabled()
                 and len(cache.layers) == len(self.layers)
                 and all(hasattr(layer, "room_for") and layer.get_seq_length() > 0
-                        and layer.keys.dtype == torch.float32 for layer in cache.layers))
+                        and layer.keys.dtype in (torch.float32, torch.bfloat16) for layer in cache.layers))
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         cos, sin = [], []

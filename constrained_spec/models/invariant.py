@@ -339,15 +339,19 @@ def prompt_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     return out
 
 
-def cache_dtype(config: Any, device: torch.device) -> torch.dtype | None:
-    """The dtype a batch-invariant model's KV cache should keep: None (the keys' own) where new rows
-    attend with ``models.attention_kernel`` (on the CPU, for the shapes of ``config``), which
-    reads float32; else float64, exact copies of the float32 keys that the float64 path reads
-    without converting the cache each layer."""
+def cache_dtype(model: Any) -> torch.dtype | None:
+    """The dtype a batch-invariant model's KV cache should keep. Where new rows attend with
+    ``models.attention_kernel`` (on the CPU, for the model's shapes), which reads float32 or
+    bfloat16: ``model.kv_cache_dtype``, set at load (bfloat16 where the prompt rows attend in
+    bfloat16, ``models.loading``), else None, the keys' own. Elsewhere float64, exact copies of
+    the float32 keys that the float64 path reads without converting the cache each layer."""
+    config, device = model.config, next(model.parameters()).device
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return None if device.type == "cpu" and attention_kernel.fits(heads, kv_heads, head_dim) else torch.float64
+    if device.type == "cpu" and attention_kernel.fits(heads, kv_heads, head_dim):
+        return getattr(model, "kv_cache_dtype", None)
+    return torch.float64
 
 
 def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
@@ -586,6 +590,5 @@ def _cache_factory(model: Any) -> Callable[[], Any]:
     model's drafter): a native model's scripted loop runs only on such a cache."""
     from .growing_cache import growing_cache
 
-    config = model.config
-    dtype = cache_dtype(config, next(model.parameters()).device)
-    return lambda: growing_cache(config.num_hidden_layers, dtype)
+    layers = model.config.num_hidden_layers
+    return lambda: growing_cache(layers, cache_dtype(model))

@@ -160,7 +160,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
         linears = linears_job.result()
     vnni, split = linears != "torch", linears == "vnni"
     prompt_int8 = _int8_prompt_rows(config, vnni)
-    key = ("None", precision, str(device), linears, output, config.prompt_attention, prompt_int8)
+    key = ("None", precision, str(device), linears, output, config.prompt_attention, config.kv_cache, prompt_int8)
     if key in _LOADED:
         return _LOADED[key]
     from transformers import LlamaForCausalLM
@@ -186,6 +186,7 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
             if isinstance(module, Int4Linear):
                 module.prompt_int8 = True
     _set_prompt_attention(model, config)
+    _set_kv_cache(model, config)
     install_native_decode(model)
     # The name tells the kernels apart: learned K costs and histories are kept by it.
     parts = ["native Q4_1", {"exact": "exact Q8_0 output", "vnni": "VNNI output", "torch": ""}[output],
@@ -231,6 +232,17 @@ def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:
                 module.prompt_attention_dtype = torch.bfloat16
 
 
+def _set_kv_cache(model: Any, config: RuntimeConfig) -> None:
+    """Let a native model's KV cache keep bfloat16 (``models.invariant.cache_dtype``) where
+    ``config`` leaves it to the machine and its prompt rows attend in bfloat16 (which rounds the
+    keys and values to bfloat16 anyway): every row then attends over the keys the prompt rows see,
+    and a decode step over a long document reads half the bytes (docs/extraction.md)."""
+    prompt_dtypes = {getattr(m, "prompt_attention_dtype", None) for m in model.modules()
+                     if type(m).__name__.endswith("Attention")}
+    if config.kv_cache == "auto" and prompt_dtypes == {torch.bfloat16}:
+        model.kv_cache_dtype = torch.bfloat16
+
+
 def _load_gguf(path: Path, precision: str, device: str | torch.device | None, config: RuntimeConfig) -> ModelHandle:
     """A GGUF file: at its own precision on the CPU kernels (``models.gguf_model``) where
     ``precision`` is native and the architecture runs natively; float32 on the CPU on the same
@@ -247,7 +259,8 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
                              "own precision) or 'float32' / 'bfloat16' (dequantized).")
     if not path.is_file():
         raise ModelLoadError(f"Could not load model {str(path)!r}: no such GGUF file.")
-    key = (str(path.resolve()), precision, str(device), config.int4_kernel, config.cuda_graphs, config.prompt_attention)
+    key = (str(path.resolve()), precision, str(device), config.int4_kernel, config.cuda_graphs, config.prompt_attention,
+           config.kv_cache)
     if key in _LOADED:
         return _LOADED[key]
     folder = metadata_folder(path)
@@ -271,6 +284,7 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
         model = make_batch_invariant(native_model(path, hf_config, folder, dense=not native))
         if native:  # float32 stays the file's exact model throughout
             _set_prompt_attention(model, config)
+            _set_kv_cache(model, config)
         install_gguf_decode(model)
         name = f"{path.stem} ({precision})"
     else:

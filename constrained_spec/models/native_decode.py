@@ -140,7 +140,8 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
         if hidden and i > 0:
             out.append(x)
         qkv_out = _int4_mm(h, layer.qkv, layer.qkv_scales, shape)
-        if layer_ops and shape.vnni and keys[i].dtype == torch.float32:  # float32 q/k/v and caches: one call
+        # Float32 q/k/v and float32 or bfloat16 caches: one call.
+        if layer_ops and shape.vnni and (keys[i].dtype == torch.float32 or keys[i].dtype == torch.bfloat16):
             q = torch.ops.constrained_spec.rope_store(qkv_out, cos, sin, keys[i], values[i], past, q_heads,
                                                       head_dim).transpose(1, 2)
         else:
@@ -150,8 +151,10 @@ def _scripted_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask:
             values[i][:, :, past : past + n] = qkv_out[:, qk_width:].view(1, n, -1, head_dim).transpose(1, 2).float()
             q = qk[:, :q_heads]
         if shape.row_kernel:  # [1, n, heads, dim]
-            a = torch.ops.constrained_spec.attend_rows(q, keys[i][:, :, : past + n].float(),
-                                                       values[i][:, :, : past + n].float(), mask, shape.scale)
+            held_k, held_v = keys[i][:, :, : past + n], values[i][:, :, : past + n]
+            if held_k.dtype == torch.float64:  # exact float64 copies: the kernel reads float32 or bfloat16
+                held_k, held_v = held_k.float(), held_v.float()
+            a = torch.ops.constrained_spec.attend_rows(q, held_k, held_v, mask, shape.scale)
         else:
             a = torch.nn.functional.scaled_dot_product_attention(
                 q.double(), keys[i][:, :, : past + n].double(), values[i][:, :, : past + n].double(),

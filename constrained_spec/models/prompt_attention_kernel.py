@@ -51,9 +51,11 @@ def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scale: float,
            window: int = 0) -> torch.Tensor:
     """Causal attention of ``query`` ``[1, h, r, d]`` over ``key`` / ``value`` ``[1, h_kv, kv, d]``
-    (any float dtype; rounded to bfloat16 in the kernel), row ``i`` seeing keys ``0 .. first + i``,
-    or with a sliding ``window`` > 0 the last ``window`` of them: float32 ``[1, r, h, d]``."""
-    q, k, v = (t[0].to(torch.float32) for t in (query, key, value))
+    (any float dtype; rounded to bfloat16 in the kernel, a bfloat16 cache's read as they are), row
+    ``i`` seeing keys ``0 .. first + i``, or with a sliding ``window`` > 0 the last ``window`` of
+    them: float32 ``[1, r, h, d]``."""
+    stored = torch.bfloat16 if key.dtype == value.dtype == torch.bfloat16 else torch.float32
+    q, k, v = query[0].to(torch.float32), key[0].to(stored), value[0].to(stored)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "bfloat16.h"
+
 namespace {
 
 // sum(x[i]^2) in float64: two accumulators of 8 lanes over 16 floats a step (a float's square is
@@ -106,38 +108,62 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t D, fl
   }
 }
 
+// Row x of D values stored into `to`: as they are (float32), or rounded to bfloat16 as torch's
+// conversion rounds them (a cache that keeps bfloat16, uint16_t here).
+inline void store_row(const float* x, int64_t D, float* to) { std::copy(x, x + D, to); }
+inline void store_row(const float* x, int64_t D, uint16_t* to) {
+  for (int64_t j = 0; j < D; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), to_bf16x16(_mm512_loadu_ps(x + j)));
+}
+
+template <typename T>
+void rotate_and_store(const float* xp, const float* cp, const float* sp, int64_t n, int64_t width, int64_t q_heads,
+                      int64_t Hk, int64_t D, float* qp, T* kp, int64_t ks, int64_t kt, T* vp, int64_t vs, int64_t vt,
+                      int64_t past) {
+  alignas(64) float rotated[512];
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = xp + t * width;
+    for (int64_t h = 0; h < q_heads; ++h) rotate(row + h * D, cp + t * D, sp + t * D, D, qp + (t * q_heads + h) * D);
+    for (int64_t h = 0; h < Hk; ++h) {
+      rotate(row + (q_heads + h) * D, cp + t * D, sp + t * D, D, rotated);
+      store_row(rotated, D, kp + h * ks + (past + t) * kt);
+      store_row(row + (q_heads + Hk + h) * D, D, vp + h * vs + (past + t) * vt);
+    }
+  }
+}
+
 // qkv [n, (Hq + 2 Hk) D] float32 (q's heads, k's, v's), cos / signed_sin [n, D]: writes the rotated
-// k and the v of row t into keys / values [1, Hk, capacity, D] at position past + t, and returns
-// the rotated q as [1, n, Hq, D] (the caller's transpose is [1, Hq, n, D]).
+// k and the v of row t into keys / values [1, Hk, capacity, D] (both float32 or both bfloat16) at
+// position past + t, and returns the rotated q as [1, n, Hq, D] (the caller's transpose is
+// [1, Hq, n, D]).
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
                       at::Tensor& values, int64_t past, int64_t q_heads, int64_t head_dim) {
   check_rows(qkv, "rope_store");
   check_rows(cos, "rope_store");
   check_rows(sin, "rope_store");
   const int64_t n = qkv.size(0), D = head_dim, Hk = keys.size(1);
-  TORCH_CHECK(qkv.dim() == 2 && D % 32 == 0 && qkv.size(1) == (q_heads + 2 * Hk) * D,
-              "rope_store: qkv [n, (q_heads + 2 kv_heads) head_dim] with head_dim a multiple of 32");
+  TORCH_CHECK(qkv.dim() == 2 && D % 32 == 0 && D <= 512 && qkv.size(1) == (q_heads + 2 * Hk) * D,
+              "rope_store: qkv [n, (q_heads + 2 kv_heads) head_dim] with head_dim a multiple of 32, at most 512");
   TORCH_CHECK(cos.numel() == n * D && sin.numel() == n * D, "rope_store: cos and sin [n, head_dim]");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type()
+              && (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              "rope_store: keys and values both float32 or both bfloat16");
   for (const at::Tensor* t : {&keys, &values})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(0) == 1 && t->size(1) == Hk
+    TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == Hk
                 && t->size(3) == D && t->stride(3) == 1 && past >= 0 && past + n <= t->size(2),
-                "rope_store: keys and values float32 [1, kv_heads, capacity >= past + n, head_dim]");
+                "rope_store: keys and values [1, kv_heads, capacity >= past + n, head_dim]");
   auto q = at::empty({1, n, q_heads, D}, qkv.options());
   const float* xp = qkv.const_data_ptr<float>();
   const float* cp = cos.const_data_ptr<float>();
   const float* sp = sin.const_data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kp = keys.data_ptr<float>();
-  float* vp = values.data_ptr<float>();
   const int64_t width = qkv.size(1), ks = keys.stride(1), kt = keys.stride(2), vs = values.stride(1), vt = values.stride(2);
-  for (int64_t t = 0; t < n; ++t) {
-    const float* row = xp + t * width;
-    for (int64_t h = 0; h < q_heads; ++h) rotate(row + h * D, cp + t * D, sp + t * D, D, qp + (t * q_heads + h) * D);
-    for (int64_t h = 0; h < Hk; ++h) {
-      rotate(row + (q_heads + h) * D, cp + t * D, sp + t * D, D, kp + h * ks + (past + t) * kt);
-      std::copy(row + (q_heads + Hk + h) * D, row + (q_heads + Hk + h + 1) * D, vp + h * vs + (past + t) * vt);
-    }
-  }
+  if (keys.scalar_type() == at::kBFloat16)
+    rotate_and_store(xp, cp, sp, n, width, q_heads, Hk, D, qp, static_cast<uint16_t*>(keys.data_ptr()), ks, kt,
+                     static_cast<uint16_t*>(values.data_ptr()), vs, vt, past);
+  else
+    rotate_and_store(xp, cp, sp, n, width, q_heads, Hk, D, qp, keys.data_ptr<float>(), ks, kt,
+                     values.data_ptr<float>(), vs, vt, past);
   return q;
 }
 

@@ -26,6 +26,8 @@
 #include <memory>
 #include <vector>
 
+#include "bfloat16.h"
+
 namespace {
 
 constexpr int LANES = 16;
@@ -50,24 +52,13 @@ inline __m512 exp2_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Sixteen float32 values rounded to bfloat16, to nearest even, as torch's conversion rounds each
-// (add 0x7fff plus the kept part's lowest bit, keep the high half; a NaN stays a NaN):
-// vcvtneps2bf16 would flush denormals, which torch's conversion keeps.
-inline __m256i to_bf16x16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// One row of D (a multiple of 16) float32 values rounded to bfloat16 into `out`.
+// One row of D (a multiple of 16) float32 values rounded to bfloat16 into `out`; a bfloat16 row
+// (a cache that keeps bfloat16, uint16_t here) is copied: the rounding it already had.
 inline void round_row(const float* x, int64_t D, uint16_t* out) {
   for (int64_t d = 0; d < D; d += LANES)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), to_bf16x16(_mm512_loadu_ps(x + d)));
 }
+inline void round_row(const uint16_t* x, int64_t D, uint16_t* out) { std::memcpy(out, x, D * sizeof(uint16_t)); }
 
 struct Packed {
   // Keys: [tile][D/2][TILE][2]; values: [tile][TILE/2][D][2]; zeros past the last key. Left
@@ -75,15 +66,17 @@ struct Packed {
   std::unique_ptr<uint16_t[]> keys, values;
 };
 
-// One tile of one key head's keys and values (float32 [KV, D] at row stride `rs`) in the pair
-// layouts: a key's dimension pairs go to D/2 places a tile apart; two keys' values interleave.
-void pack_tile(const float* k, const float* v, int64_t rs, int64_t KV, int64_t D, int64_t t, Packed& out) {
+// One tile of one key head's keys and values ([KV, D] at row stride `rs`, float32 or bfloat16)
+// in the pair layouts: a key's dimension pairs go to D/2 places a tile apart; two keys' values
+// interleave.
+template <typename T>
+void pack_tile(const T* k, const T* v, int64_t rs, int64_t KV, int64_t D, int64_t t, Packed& out) {
   uint32_t* kt = reinterpret_cast<uint32_t*>(out.keys.get() + t * D * TILE);
   uint32_t* vt = reinterpret_cast<uint32_t*>(out.values.get() + t * TILE * D);
   alignas(64) uint16_t row[256], next[256];
   const int64_t end = std::min<int64_t>(TILE, KV - t * TILE);
   // Rows past the last key are zeros (every pair of the tile is written).
-  const auto round_or_zero = [&](const float* x, int64_t in, uint16_t* to) {
+  const auto round_or_zero = [&](const T* x, int64_t in, uint16_t* to) {
     if (in < end) round_row(x + (t * TILE + in) * rs, D, to);
     else std::memset(to, 0, D * sizeof(uint16_t));
   };
@@ -222,13 +215,13 @@ void run_block(Block<D>& blk, const Packed& kv, float scale) {
   }
 }
 
-template <int D>
+template <int D, typename T>
 void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t first, double scale,
             int64_t window, at::Tensor& out) {
   const int64_t H = query.size(0), R = query.size(1), KVH = key.size(0), KV = key.size(1), G = H / KVH;
   const float* qp = query.const_data_ptr<float>();
-  const float* kp = key.const_data_ptr<float>();
-  const float* vp = value.const_data_ptr<float>();
+  const T* kp = static_cast<const T*>(key.const_data_ptr());
+  const T* vp = static_cast<const T*>(value.const_data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t tiles = (KV + TILE - 1) / TILE;
   // The first key row i sees: 0, or the window's first; tiles before row 0's are never read.
@@ -271,13 +264,16 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
   });
 }
 
-// query [H, R, D], key / value [KVH, KV, D] (float32, unit stride along D); row i sees keys
-// 0 .. first + i, or with window > 0 the last `window` of them. Returns float32 [R, H, D].
+// query [H, R, D] float32, key / value [KVH, KV, D] both float32 or both bfloat16 (unit stride
+// along D); row i sees keys 0 .. first + i, or with window > 0 the last `window` of them.
+// Returns float32 [R, H, D].
 at::Tensor prompt_attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t first,
                          double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prompt_attend: [H, R, D] and [KVH, KV, D]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
-              "prompt_attend: float32 tensors");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "prompt_attend: float32 queries");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type()
+              && (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
+              "prompt_attend: keys and values both float32 or both bfloat16");
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1 && key.strides() == value.strides(),
               "prompt_attend: unit stride along D, keys and values alike");
   const int64_t H = query.size(0), R = query.size(1), D = query.size(2), KVH = key.size(0);
@@ -286,10 +282,11 @@ at::Tensor prompt_attend(const at::Tensor& query, const at::Tensor& key, const a
   TORCH_CHECK(window >= 0, "prompt_attend: window >= 0");
   auto out = at::empty({R, H, D}, query.options());
   if (R == 0) return out;
+  const bool bf16 = key.scalar_type() == at::kBFloat16;
   switch (D) {
-    case 64: attend<64>(query, key, value, first, scale, window, out); break;
-    case 128: attend<128>(query, key, value, first, scale, window, out); break;
-    case 256: attend<256>(query, key, value, first, scale, window, out); break;
+    case 64: (bf16 ? attend<64, uint16_t> : attend<64, float>)(query, key, value, first, scale, window, out); break;
+    case 128: (bf16 ? attend<128, uint16_t> : attend<128, float>)(query, key, value, first, scale, window, out); break;
+    case 256: (bf16 ? attend<256, uint16_t> : attend<256, float>)(query, key, value, first, scale, window, out); break;
     default: TORCH_CHECK(false, "prompt_attend: head dimension 64, 128 or 256");
   }
   return out;

@@ -1,7 +1,8 @@
-// Float32 attention of new query rows over their allowed keys, on AVX-512: every (row, head) runs
-// the same instructions in the same order over the same sequence of allowed keys, whatever the
-// other rows, heads, batch rows, padding keys or threads are, so a row's bits depend only on its
-// query and the keys it sees (see models/attention_kernel.py).
+// Float32 attention of new query rows over their allowed keys (float32, or bfloat16 widened
+// exactly), on AVX-512: every (row, head) runs the same instructions in the same order over the
+// same sequence of allowed keys, whatever the other rows, heads, batch rows, padding keys or
+// threads are, so a row's bits depend only on its query and the keys it sees (see
+// models/attention_kernel.py).
 //
 // A call runs in three phases, each split over threads by units whose arithmetic never depends
 // on the split: the scores (key head x 64 keys), the softmax weights (row x head), the weighted
@@ -20,6 +21,8 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#include "bfloat16.h"
 
 namespace {
 
@@ -44,11 +47,19 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-struct View4 {  // a float32 [B, H, R, D] tensor's pointer and strides (elements; D's stride is 1)
-  const float* p;
+// A [B, H, R, D] tensor's pointer and strides (elements; D's stride is 1), of float32 or of
+// bfloat16 (uint16_t, a cache that keeps its keys and values in bfloat16).
+template <typename T>
+struct View4 {
+  const T* p;
   int64_t b, h, r;
-  const float* at(int64_t bi, int64_t hi, int64_t ri) const { return p + bi * b + hi * h + ri * r; }
+  const T* at(int64_t bi, int64_t hi, int64_t ri) const { return p + bi * b + hi * h + ri * r; }
 };
+
+// Sixteen consecutive values as float32: bfloat16 ones widened exactly, so a kernel given
+// bfloat16 keys computes what it computes on float32 keys of those values.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) { return from_bf16x16(x); }
 
 // Rows r[0..16) become columns: the standard unpack / shuffle network.
 inline void transpose16(__m512 r[16]) {
@@ -79,14 +90,15 @@ inline void transpose16(__m512 r[16]) {
 constexpr int TILE = 64;  // keys a scoring unit transposes and scores at once: four blocks of 16
 
 // Keys [j0, j0 + 16 nb) of one key head as tile [D, TILE] (zeros past KV).
-void transpose_tile(const View4& k, int64_t bi, int64_t hk, int64_t KV, int64_t D, int64_t j0, int64_t nb,
+template <typename T>
+void transpose_tile(const View4<T>& k, int64_t bi, int64_t hk, int64_t KV, int64_t D, int64_t j0, int64_t nb,
                     float* tile) {
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int64_t first = j0 + blk * LANES;
     for (int64_t c = 0; c < D / LANES; ++c) {
       __m512 r[16];
       for (int i = 0; i < LANES; ++i)
-        r[i] = first + i < KV ? _mm512_loadu_ps(k.at(bi, hk, first + i) + c * LANES) : _mm512_setzero_ps();
+        r[i] = first + i < KV ? load16(k.at(bi, hk, first + i) + c * LANES) : _mm512_setzero_ps();
       transpose16(r);
       for (int i = 0; i < LANES; ++i) _mm512_storeu_ps(tile + (c * LANES + i) * TILE + blk * LANES, r[i]);
     }
@@ -175,19 +187,19 @@ constexpr int MAX_ACC = 24;  // accumulators a weighted-values pass keeps in reg
 // keys[0..n) (indices into the cache, in order): each pair's slice is one chain of FMAs over the
 // sequence, weights past a pair's own sequence being exact zeros (acc + 0 v = acc: a shorter,
 // nested row gets the bits it gets alone), whatever pairs and slices share the pass.
-template <int NW, int CC>
-inline void weigh_slices(const float* v0, int64_t key_stride, const int32_t* keys, int64_t n, const float* const* w,
+template <int NW, int CC, typename T>
+inline void weigh_slices(const T* v0, int64_t key_stride, const int32_t* keys, int64_t n, const float* const* w,
                          __m512* acc) {
   __m512 a[NW][CC];
   for (int i = 0; i < NW; ++i)
     for (int c = 0; c < CC; ++c) a[i][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* vp = v0 + keys[j] * key_stride;
+    const T* vp = v0 + keys[j] * key_stride;
     if (j + TILE < n)  // a tile ahead, as the scores fetch keys (see there)
       for (int c = 0; c < CC; ++c)
         _mm_prefetch(reinterpret_cast<const char*>(v0 + keys[j + TILE] * key_stride + c * LANES), _MM_HINT_T1);
     __m512 vv[CC];
-    for (int c = 0; c < CC; ++c) vv[c] = _mm512_loadu_ps(vp + c * LANES);
+    for (int c = 0; c < CC; ++c) vv[c] = load16(vp + c * LANES);
     for (int i = 0; i < NW; ++i) {
       const __m512 wj = _mm512_set1_ps(w[i][j]);
       for (int c = 0; c < CC; ++c) a[i][c] = _mm512_fmadd_ps(wj, vv[c], a[i][c]);
@@ -197,11 +209,11 @@ inline void weigh_slices(const float* v0, int64_t key_stride, const int32_t* key
     for (int c = 0; c < CC; ++c) acc[i * CC + c] = a[i][c];
 }
 
-template <int CC>
-void weigh_slices_of(int nw, const float* v0, int64_t key_stride, const int32_t* keys, int64_t n, const float* const* w,
+template <int CC, typename T>
+void weigh_slices_of(int nw, const T* v0, int64_t key_stride, const int32_t* keys, int64_t n, const float* const* w,
                      __m512* acc) {
   switch (nw) {
-#define CASE(K) case K: if constexpr (K * CC <= MAX_ACC) { weigh_slices<K, CC>(v0, key_stride, keys, n, w, acc); return; } break;
+#define CASE(K) case K: if constexpr (K * CC <= MAX_ACC) { weigh_slices<K, CC, T>(v0, key_stride, keys, n, w, acc); return; } break;
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
     CASE(13) CASE(14) CASE(15) CASE(16) CASE(17) CASE(18) CASE(19) CASE(20) CASE(21) CASE(22) CASE(23) CASE(24)
 #undef CASE
@@ -210,17 +222,21 @@ void weigh_slices_of(int nw, const float* v0, int64_t key_stride, const int32_t*
   TORCH_CHECK(false, "attend_rows: ", nw, " weight rows of ", CC, " slices a pass");
 }
 
-void weigh_slices_any(int nw, int cc, const float* v0, int64_t key_stride, const int32_t* keys, int64_t n,
+template <typename T>
+void weigh_slices_any(int nw, int cc, const T* v0, int64_t key_stride, const int32_t* keys, int64_t n,
                       const float* const* w, __m512* acc) {
-  if (cc == 4) weigh_slices_of<4>(nw, v0, key_stride, keys, n, w, acc);
-  else if (cc == 2) weigh_slices_of<2>(nw, v0, key_stride, keys, n, w, acc);
-  else weigh_slices_of<1>(nw, v0, key_stride, keys, n, w, acc);
+  if (cc == 4) weigh_slices_of<4, T>(nw, v0, key_stride, keys, n, w, acc);
+  else if (cc == 2) weigh_slices_of<2, T>(nw, v0, key_stride, keys, n, w, acc);
+  else weigh_slices_of<1, T>(nw, v0, key_stride, keys, n, w, acc);
 }
 
 // Rows a call takes at once (the scores of a tile of rows are held for all its keys).
 constexpr int64_t ROW_TILE = 16;
 
-View4 view(const at::Tensor& t) { return View4{t.const_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)}; }
+template <typename T>
+View4<T> view(const at::Tensor& t) {
+  return View4<T>{static_cast<const T*>(t.const_data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
+}
 
 // Units of a phase split over threads, at least `min_work` multiply-adds a thread: a forward of
 // a few rows over a few hundred keys stays on one thread (a wake-up costs more than it saves).
@@ -228,29 +244,17 @@ int64_t grain(int64_t units, int64_t work_per_unit, int64_t min_work = 50000) {
   return std::max<int64_t>(1, std::min<int64_t>(units, min_work / std::max<int64_t>(1, work_per_unit)));
 }
 
-// query [B, H, R, D], key / value [B, Hk, KV, D] float32 (D's stride 1), allowed: None (every
-// key) or bool [Bm, R, KV] with Bm 1 or B. Returns float32 [B, R, H, D] (the caller's transpose
-// of it is the [B, H, R, D] result, laid out as the output projection reads it).
-at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const c10::optional<at::Tensor>& allowed, double scale) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "attend_rows: query, key and value must be 4-d");
-  for (const at::Tensor* t : {&query, &key, &value})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(3) == 1, "attend_rows: float32 tensors with a unit last stride");
+// The call's work over keys and values of type T (float, or uint16_t holding bfloat16), the
+// arguments checked by attend_rows; writes out [B, R, H, D].
+template <typename T>
+void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& mask,
+                double scale, at::Tensor& out) {
   const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3);
   const int64_t Hk = key.size(1), KV = key.size(2);
-  TORCH_CHECK(key.size(0) == B && value.sizes() == key.sizes() && key.size(3) == D, "attend_rows: key and value must be [B, Hk, KV, D]");
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "attend_rows: head dimension 64, 128 or 256, not ", D);
-  TORCH_CHECK(Hk > 0 && H % Hk == 0 && H / Hk <= MAX_GROUP, "attend_rows: ", H, " query heads over ", Hk, " key heads");
-  const bool masked = allowed.has_value() && allowed->defined();
-  at::Tensor mask;
-  if (masked) {
-    mask = allowed->contiguous();
-    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 3 && (mask.size(0) == 1 || mask.size(0) == B)
-                && mask.size(1) == R && mask.size(2) == KV, "attend_rows: allowed must be bool [1 or B, R, KV]");
-  }
-  auto out = at::empty({B, R, H, D}, query.options());
+  const bool masked = mask.defined();
   const int64_t group = H / Hk, DC = D / LANES;
-  const View4 q = view(query), k = view(key), v = view(value);
+  const View4<float> q = view<float>(query);
+  const View4<T> k = view<T>(key), v = view<T>(value);
   const bool* mp = masked ? mask.const_data_ptr<bool>() : nullptr;
   const int64_t mask_b = masked && mask.size(0) == B ? R * KV : 0;
   float* op = out.data_ptr<float>();
@@ -364,6 +368,35 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at:
         }
       });
     }
+}
+
+// query [B, H, R, D] float32, key / value [B, Hk, KV, D] both float32 or both bfloat16 (D's
+// stride 1), allowed: None (every key) or bool [Bm, R, KV] with Bm 1 or B. Returns float32
+// [B, R, H, D] (the caller's transpose of it is the [B, H, R, D] result, laid out as the output
+// projection reads it).
+at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const c10::optional<at::Tensor>& allowed, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "attend_rows: query, key and value must be 4-d");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "attend_rows: float32 queries");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type()
+              && (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
+              "attend_rows: keys and values both float32 or both bfloat16");
+  for (const at::Tensor* t : {&query, &key, &value})
+    TORCH_CHECK(t->stride(3) == 1, "attend_rows: tensors with a unit last stride");
+  const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3);
+  const int64_t Hk = key.size(1), KV = key.size(2);
+  TORCH_CHECK(key.size(0) == B && value.sizes() == key.sizes() && key.size(3) == D, "attend_rows: key and value must be [B, Hk, KV, D]");
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "attend_rows: head dimension 64, 128 or 256, not ", D);
+  TORCH_CHECK(Hk > 0 && H % Hk == 0 && H / Hk <= MAX_GROUP, "attend_rows: ", H, " query heads over ", Hk, " key heads");
+  at::Tensor mask;
+  if (allowed.has_value() && allowed->defined()) {
+    mask = allowed->contiguous();
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 3 && (mask.size(0) == 1 || mask.size(0) == B)
+                && mask.size(1) == R && mask.size(2) == KV, "attend_rows: allowed must be bool [1 or B, R, KV]");
+  }
+  auto out = at::empty({B, R, H, D}, query.options());
+  if (key.scalar_type() == at::kBFloat16) attend_all<uint16_t>(query, key, value, mask, scale, out);
+  else attend_all<float>(query, key, value, mask, scale, out);
   return out;
 }
 
