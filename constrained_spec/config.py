@@ -91,12 +91,12 @@ def _prompt_linears(raw: str | None) -> str:
     return _choice(raw, PROMPT_LINEARS, "'auto'") or "auto"
 
 
-#: What a native model's KV cache holds: "auto" is bfloat16 where its prompt rows attend in it.
-KV_CACHE = ("auto", "float32")
+#: What a native model's KV cache holds.
+KV_CACHE = ("float32", "bfloat16")
 
 
 def _kv_cache(raw: str | None) -> str:
-    return _choice(raw, KV_CACHE, "'auto'") or "auto"
+    return _choice(raw, KV_CACHE, "'float32'") or "float32"
 
 
 def _cuda_graphs(raw: str | None) -> bool:
@@ -197,11 +197,11 @@ SETTINGS: tuple[Setting, ...] = (
             "float32) copy of the weights, `int8` on the VNNI kernel with each activation rounded to int8 as "
             "llama.cpp does: faster without AMX and no second copy, further from the float32 model's outputs "
             "(docs/extraction.md has what each costs and changes). Read at each load."),
-    Setting("kv_cache", "CONSTRAINED_SPEC_KV_CACHE", "KV cache", _kv_cache, "`auto`, `float32`", "`auto`",
-            "What a native model's KV cache holds: `auto` bfloat16 where its prompt rows attend in bfloat16 "
-            "and the attention kernels read it (half the memory, and half the bytes a decode step over a long "
-            "document reads; decode rows then see the keys that prompt rows see), else float32; `float32` "
-            "always (docs/extraction.md has what each costs and changes). Read at each load."),
+    Setting("kv_cache", "CONSTRAINED_SPEC_KV_CACHE", "KV cache", _kv_cache, "`float32`, `bfloat16`", "`float32`",
+            "What a native model's KV cache holds where the attention kernels read it: `bfloat16` takes half "
+            "the memory and half the bytes a decode step over a long document reads, and moves the outputs "
+            "further from the float32 model's (docs/extraction.md has what each costs and changes). Read at "
+            "each load."),
     Setting("cuda_graphs", "CONSTRAINED_SPEC_CUDA_GRAPHS", "CUDA graphs switch", _cuda_graphs,
             "`on`, `1`, `true`, `yes`, `off`, `0`, `false`, `no` (any case)", "`on`",
             "A batch-invariant model on a GPU replays its decode and verify forwards as CUDA graphs "
@@ -287,8 +287,8 @@ class RuntimeConfig:
     prompt_attention: str = "auto"
     #: "auto" (the same as "dense") or "int8".
     prompt_linears: str = "auto"
-    #: "auto" (bfloat16 where the prompt rows attend in it) or "float32".
-    kv_cache: str = "auto"
+    #: "float32" or "bfloat16".
+    kv_cache: str = "float32"
     cuda_graphs: bool = True
     #: "auto", "off" or a fixed thread count.
     threads: str | int = "auto"

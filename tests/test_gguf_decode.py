@@ -80,20 +80,30 @@ def test_the_scripted_loop_gives_transformers_forward_bits(files, arch, precisio
         assert torch.equal(a, b), arch
 
 
-def test_a_native_files_cache_keeps_bfloat16_where_its_prompt_rows_attend_in_it(files, monkeypatch):
-    """The cache's dtype follows the prompt rows' attention (``RuntimeConfig.kv_cache``): bfloat16
-    for a native load whose prompt rows attend in bfloat16, float32 when asked for, and float32 for
-    the file's exact float32 model; the scripted loop runs on both kinds."""
-    native = load_model(str(files["llama"])).model
-    bfloat16_prompts = all(getattr(m, "prompt_attention_dtype", None) == torch.bfloat16
-                           for m in native.modules() if type(m).__name__.endswith("Attention"))
-    assert native.new_cache().layers[0].store_dtype == (torch.bfloat16 if bfloat16_prompts else None)
-    assert load_model(str(files["llama"]), precision="float32").model.new_cache().layers[0].store_dtype is None
-    monkeypatch.setenv(config.variable("kv_cache"), "float32")
-    assert load_model(str(files["llama"])).model.new_cache().layers[0].store_dtype is None
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_bfloat16_cache_is_kept_where_asked_for_and_the_scripted_loop_reads_it(files, arch, monkeypatch):
+    """``CONSTRAINED_SPEC_KV_CACHE=bfloat16``: a native load's cache keeps bfloat16 (float32 by
+    default, and always for the file's exact float32 model), and every pass on it gives the same
+    bits through the scripted loop and through transformers' modules, sliding layers included."""
+    assert load_model(str(files[arch])).model.new_cache().layers[0].store_dtype is None
+    monkeypatch.setenv(config.variable("kv_cache"), "bfloat16")
+    assert load_model(str(files[arch]), precision="float32").model.new_cache().layers[0].store_dtype is None
+    model = load_model(str(files[arch])).model
+    assert model.new_cache().layers[0].store_dtype == torch.bfloat16
+    ids = [(7 * i + 3) % 1500 + 5 for i in range(40)]
+    flat, calls = model.model.gguf_decode, []
+    run = flat.run
+    flat.run = lambda *a, **k: calls.append(1) or run(*a, **k)
+    try:
+        scripted = _passes(model, ids, [1, 4, 1, 7], scripted=True)
+    finally:
+        flat.run = run
+    stock = _passes(model, ids, [1, 4, 1, 7], scripted=False)
+    assert len(calls) == 4 and len(scripted) == len(stock)
+    assert all(torch.equal(a, b) for a, b in zip(scripted, stock))
     monkeypatch.setenv(config.variable("kv_cache"), "half")
-    with pytest.raises(ModelLoadError, match="expected one of 'auto', 'float32'"):
-        load_model(str(files["llama"]))
+    with pytest.raises(ModelLoadError, match="expected one of 'float32', 'bfloat16'"):
+        load_model(str(files[arch]))
 
 
 def test_gemmas_sliding_window_is_what_hides_keys(files):

@@ -320,15 +320,17 @@ def _check_batch_invariance(native_and_tokens) -> None:
 @pytest.mark.parametrize("layer_ops", ["kernels", "torch"])
 @pytest.mark.parametrize("long_context", [None, "inside the prompt"])
 @pytest.mark.parametrize("scripted", [True, False])
+@pytest.mark.parametrize("kv_cache", [None, torch.bfloat16])
 def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_tokens, long_context, scripted,
-                                                                      layer_ops, monkeypatch):
+                                                                      layer_ops, kv_cache, monkeypatch):
     """The flat decode and verify forward (``models.native_decode``) gives transformers' forward's
     bits: the final hidden states, every layer's hidden states and the cache it fills, for 1 to 21
     new rows after a prompt; forwards it does not cover (prompt rows) take transformers' path.
     Also with ``LONG_CONTEXT`` moved into the prompt (float32 blocks, a float32 cache). Both ways
     the flat forward runs its layers: the TorchScript stack (before ``LONG_CONTEXT``, or at any
     length with the attention kernel; checked that it ran) and the Python loop. With the layer
-    kernels (``models.layer_kernels``) and with torch's ops in their place."""
+    kernels (``models.layer_kernels``) and with torch's ops in their place; and on a bfloat16 cache
+    (``CONSTRAINED_SPEC_KV_CACHE=bfloat16``), which the kernels read and write as it is."""
     from constrained_spec.models.growing_cache import growing_cache
     from constrained_spec.models import attention_kernel, invariant, layer_kernels, native_decode
 
@@ -337,6 +339,8 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
     elif not layer_kernels.enabled():
         pytest.skip("the layer kernels do not build here")
 
+    if kv_cache is not None and (long_context or layer_ops == "torch" or not attention_kernel.enabled()):
+        pytest.skip("the bfloat16 cache is checked with the kernels, before LONG_CONTEXT")
     if long_context:
         monkeypatch.setattr(invariant, "LONG_CONTEXT", len(native_and_tokens[1]) // 2)
     stacks = []
@@ -355,7 +359,7 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
         run = flat.run
         flat.run = lambda *a, **k: calls.append(a[0].shape[1]) or run(*a, **k)
         try:
-            cache = growing_cache(model.config.num_hidden_layers, invariant.cache_dtype(model))
+            cache = growing_cache(model.config.num_hidden_layers, kv_cache or invariant.cache_dtype(model))
             model.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, prompt_rows=len(prompt))
             got, at = [], 0
             for k in (1, 4, 1, 12, 21):

@@ -34,7 +34,7 @@ gather above costs. So the cache pays 92 KiB a position for the speed of every s
 (``models.invariant.attend_new_rows``), so the shelves of capacity above it keep float32 (46
 KiB a position; a row moving up converts exactly, once). Where the attention kernels read the
 cache (``models.invariant.cache_dtype``) it keeps the model's own choice throughout: float32, or
-bfloat16 for a native model whose prompt rows attend in bfloat16.
+bfloat16 for a native model loaded with ``CONSTRAINED_SPEC_KV_CACHE=bfloat16``.
 """
 
 from __future__ import annotations

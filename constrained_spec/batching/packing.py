@@ -314,7 +314,7 @@ def _packed_attention(base: str) -> Any:
         for seg in packing.prompts:
             keys = seg.past + seg.length
             # A float64 cache's exact copies back to the query's dtype; a bfloat16 cache's as they
-            # are (the prompt rows attend in bfloat16 there, ``models.invariant``).
+            # are (the attention kernels read them so, ``models.invariant``).
             k, v = (_prompt_operand(t[seg.part][seg.slot : seg.slot + 1, :, :keys], query.dtype)
                     for t in (keys_of, values_of))
             mask = prompt_mask(seg, additive, query.dtype)

@@ -15,8 +15,8 @@ same numbers as ``DynamicCache`` gives it (tested). The batch engine's cache is
 
 Memory: the buffer is at most twice the positions held, and float64 doubles the bytes (92 KiB
 per token for SmolLM2-135M, against 46 KiB in float32). With ``dtype=torch.bfloat16`` (a native
-model whose prompt rows attend in bfloat16, ``models.invariant.cache_dtype``) the new positions
-are rounded once as they are written, and every row reads them so: 23 KiB a token. Once a request holds more than
+model loaded with ``CONSTRAINED_SPEC_KV_CACHE=bfloat16``, ``models.invariant.cache_dtype``) the
+new positions are rounded once as they are written, and every row reads them so: 23 KiB a token. Once a request holds more than
 ``LONG_CONTEXT`` positions its buffers are float32 (exact: the float64 values are copies of
 float32 keys): attention reads its rows from there on in float32 blocks (``models.invariant``),
 and the long document's cache takes half the bytes.

@@ -342,9 +342,9 @@ def prompt_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
 def cache_dtype(model: Any) -> torch.dtype | None:
     """The dtype a batch-invariant model's KV cache should keep. Where new rows attend with
     ``models.attention_kernel`` (on the CPU, for the model's shapes), which reads float32 or
-    bfloat16: ``model.kv_cache_dtype``, set at load (bfloat16 where the prompt rows attend in
-    bfloat16, ``models.loading``), else None, the keys' own. Elsewhere float64, exact copies of
-    the float32 keys that the float64 path reads without converting the cache each layer."""
+    bfloat16: ``model.kv_cache_dtype``, set at load (bfloat16 where ``RuntimeConfig.kv_cache``
+    asks for it, ``models.loading``), else None, the keys' own. Elsewhere float64, exact copies
+    of the float32 keys that the float64 path reads without converting the cache each layer."""
     config, device = model.config, next(model.parameters()).device
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -191,7 +191,8 @@ def _load_native(name_or_path: str | None, device: str | torch.device | None, pr
     # The name tells the kernels apart: learned K costs and histories are kept by it.
     parts = ["native Q4_1", {"exact": "exact Q8_0 output", "vnni": "VNNI output", "torch": ""}[output],
              {"torch": "", "vnni": "VNNI linears", "vnni-int8": "VNNI int8 linears"}[linears],
-             "int8 prompts" if prompt_int8 else ""]
+             "int8 prompts" if prompt_int8 else "",
+             "bfloat16 KV cache" if config.kv_cache == "bfloat16" else ""]
     name = f"{DEFAULT_MODEL_NAME} ({', '.join(p for p in parts if p)})"
     handle = ModelHandle(model, tokenizer, name, native_precision=precision,
                          gguf_file=_default_gguf_dir() / DEFAULT_MODEL_FILE)
@@ -234,12 +235,11 @@ def _set_prompt_attention(model: Any, config: RuntimeConfig) -> None:
 
 def _set_kv_cache(model: Any, config: RuntimeConfig) -> None:
     """Let a native model's KV cache keep bfloat16 (``models.invariant.cache_dtype``) where
-    ``config`` leaves it to the machine and its prompt rows attend in bfloat16 (which rounds the
-    keys and values to bfloat16 anyway): every row then attends over the keys the prompt rows see,
-    and a decode step over a long document reads half the bytes (docs/extraction.md)."""
-    prompt_dtypes = {getattr(m, "prompt_attention_dtype", None) for m in model.modules()
-                     if type(m).__name__.endswith("Attention")}
-    if config.kv_cache == "auto" and prompt_dtypes == {torch.bfloat16}:
+    ``config`` asks for it: half the memory, and a decode step over a long document reads half
+    the bytes, for outputs further from the float32 model's, so not the default
+    (docs/extraction.md). Every row then attends over the same rounded keys, the prompt rows'
+    included, so greedy speculative output still equals target-only output."""
+    if config.kv_cache == "bfloat16":
         model.kv_cache_dtype = torch.bfloat16
 
 
