@@ -301,7 +301,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
           const int64_t hk = u / tiles, j0 = (u % tiles) * TILE, nb = std::min<int64_t>(TILE, padded - j0) / LANES;
           // The next tile's keys asked of memory while this one is scored: a decode step over a
           // long context finds none of them in the cache, and the transposition's own loads
-          // left the core waiting on each (docs/performance.md, attention kernels).
+          // left the core waiting on each (docs/extraction.md, long documents).
           for (int64_t j = j0 + TILE; j < std::min<int64_t>(j0 + 2 * TILE, KV); ++j)
             for (int64_t c = 0; c < D; c += LANES)
               _mm_prefetch(reinterpret_cast<const char*>(k.at(bi, hk, j) + c), _MM_HINT_T1);
