@@ -2,8 +2,18 @@
 // is written by layer_ops.cpp and read by row_attention.cpp and prompt_attention.cpp, and all
 // of them must agree with torch's own conversion bit for bit (tested).
 #pragma once
+#include <ATen/core/Tensor.h>
 #include <immintrin.h>
 #include <cstdint>
+
+// Whether a cache's keys and values are bfloat16 (else float32), refused by `op`'s name unless
+// both are one or both the other: the check of every kernel that reads or writes a cache.
+inline bool cache_in_bfloat16(const at::Tensor& keys, const at::Tensor& values, const char* op) {
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type()
+              && (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              op, ": keys and values both float32 or both bfloat16");
+  return keys.scalar_type() == at::kBFloat16;
+}
 
 // Sixteen float32 values rounded to bfloat16, to nearest even, as torch's conversion rounds each
 // (add 0x7fff plus the kept part's lowest bit, keep the high half; a NaN stays a NaN):

@@ -145,9 +145,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(qkv.dim() == 2 && D % 32 == 0 && D <= 512 && qkv.size(1) == (q_heads + 2 * Hk) * D,
               "rope_store: qkv [n, (q_heads + 2 kv_heads) head_dim] with head_dim a multiple of 32, at most 512");
   TORCH_CHECK(cos.numel() == n * D && sin.numel() == n * D, "rope_store: cos and sin [n, head_dim]");
-  TORCH_CHECK(keys.scalar_type() == values.scalar_type()
-              && (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
-              "rope_store: keys and values both float32 or both bfloat16");
+  const bool bf16 = cache_in_bfloat16(keys, values, "rope_store");
   for (const at::Tensor* t : {&keys, &values})
     TORCH_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == Hk
                 && t->size(3) == D && t->stride(3) == 1 && past >= 0 && past + n <= t->size(2),
@@ -158,7 +156,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const float* sp = sin.const_data_ptr<float>();
   float* qp = q.data_ptr<float>();
   const int64_t width = qkv.size(1), ks = keys.stride(1), kt = keys.stride(2), vs = values.stride(1), vt = values.stride(2);
-  if (keys.scalar_type() == at::kBFloat16)
+  if (bf16)
     rotate_and_store(xp, cp, sp, n, width, q_heads, Hk, D, qp, static_cast<uint16_t*>(keys.data_ptr()), ks, kt,
                      static_cast<uint16_t*>(values.data_ptr()), vs, vt, past);
   else

@@ -271,9 +271,7 @@ at::Tensor prompt_attend(const at::Tensor& query, const at::Tensor& key, const a
                          double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "prompt_attend: [H, R, D] and [KVH, KV, D]");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "prompt_attend: float32 queries");
-  TORCH_CHECK(key.scalar_type() == value.scalar_type()
-              && (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
-              "prompt_attend: keys and values both float32 or both bfloat16");
+  const bool bf16 = cache_in_bfloat16(key, value, "prompt_attend");
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1 && key.strides() == value.strides(),
               "prompt_attend: unit stride along D, keys and values alike");
   const int64_t H = query.size(0), R = query.size(1), D = query.size(2), KVH = key.size(0);
@@ -282,7 +280,6 @@ at::Tensor prompt_attend(const at::Tensor& query, const at::Tensor& key, const a
   TORCH_CHECK(window >= 0, "prompt_attend: window >= 0");
   auto out = at::empty({R, H, D}, query.options());
   if (R == 0) return out;
-  const bool bf16 = key.scalar_type() == at::kBFloat16;
   switch (D) {
     case 64: (bf16 ? attend<64, uint16_t> : attend<64, float>)(query, key, value, first, scale, window, out); break;
     case 128: (bf16 ? attend<128, uint16_t> : attend<128, float>)(query, key, value, first, scale, window, out); break;

@@ -378,9 +378,7 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at:
                        const c10::optional<at::Tensor>& allowed, double scale) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "attend_rows: query, key and value must be 4-d");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "attend_rows: float32 queries");
-  TORCH_CHECK(key.scalar_type() == value.scalar_type()
-              && (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
-              "attend_rows: keys and values both float32 or both bfloat16");
+  const bool bf16 = cache_in_bfloat16(key, value, "attend_rows");
   for (const at::Tensor* t : {&query, &key, &value})
     TORCH_CHECK(t->stride(3) == 1, "attend_rows: tensors with a unit last stride");
   const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3);
@@ -395,7 +393,7 @@ at::Tensor attend_rows(const at::Tensor& query, const at::Tensor& key, const at:
                 && mask.size(1) == R && mask.size(2) == KV, "attend_rows: allowed must be bool [1 or B, R, KV]");
   }
   auto out = at::empty({B, R, H, D}, query.options());
-  if (key.scalar_type() == at::kBFloat16) attend_all<uint16_t>(query, key, value, mask, scale, out);
+  if (bf16) attend_all<uint16_t>(query, key, value, mask, scale, out);
   else attend_all<float>(query, key, value, mask, scale, out);
   return out;
 }
