@@ -331,14 +331,18 @@ def generate_json(
 
 def validate_json_output(text: str, schema: dict | JsonSchema, model_cls: type | None = None) -> Any:
     """Parse and validate generated JSON against the original schema (and the pydantic class);
-    never returns an invalid value: raises ``OutputValidationError`` instead."""
-    
+    never returns an invalid value: raises ``OutputValidationError`` instead (a key twice in
+    one object included, which ``json.loads`` would hide by keeping the last value)."""
     if isinstance(schema, JsonSchema):
         schema, model_cls = schema.schema, model_cls or schema.model_cls
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_dict_refusing_duplicates)
     except json.JSONDecodeError as e:
         raise OutputValidationError(text, f"not JSON ({e})") from None
+    except _DuplicateKey:
+        key, where = _first_duplicate_key(json.loads(text, object_pairs_hook=_Pairs))
+        raise OutputValidationError(text, f"at {where or '/'}: key {key!r} appears more than once in one object "
+                                          "(JSON parsers keep one of the values and lose the other)") from None
     errors = sorted(output_validator(schema).iter_errors(value), key=lambda e: list(e.path))
     if errors:
         where = "/" + "/".join(str(p) for p in errors[0].absolute_path)
@@ -351,6 +355,47 @@ def validate_json_output(text: str, schema: dict | JsonSchema, model_cls: type |
         except ValidationError as e:
             raise OutputValidationError(text, str(e).splitlines()[0]) from None
     return value
+
+
+class _DuplicateKey(Exception):
+    """An object of the output has a key twice (raised while parsing; its path is found apart)."""
+
+
+def _dict_refusing_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys, so a value would be lost without a word and the
+    # schema check after parsing would never see it (JSON Schema cannot forbid duplicate keys).
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise _DuplicateKey
+    return value
+
+
+class _Pairs(list):
+    """A parsed object as its list of ``(key, value)`` pairs, in order, duplicates kept."""
+
+
+def _first_duplicate_key(tree: Any, path: str = "") -> tuple[str, str] | None:
+    """``(key, JSON pointer of its object)`` of the first repeated key in ``tree`` (parsed with
+    ``_Pairs`` for objects), depth first in document order; None when there is none."""
+    if isinstance(tree, _Pairs):
+        seen: set[str] = set()
+        for key, child in tree:
+            if key in seen:
+                return key, path
+            seen.add(key)
+            found = _first_duplicate_key(child, f"{path}/{_pointer_token(key)}")
+            if found:
+                return found
+    elif isinstance(tree, list):
+        for i, child in enumerate(tree):
+            if found := _first_duplicate_key(child, f"{path}/{i}"):
+                return found
+    return None
+
+
+def _pointer_token(key: str) -> str:
+    """``key`` escaped as one JSON pointer token (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def generate_regex(

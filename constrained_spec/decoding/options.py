@@ -75,6 +75,15 @@ class SpecOptions:
     prefix_cache: bool = True
     max_repeats: int = 8
 
+    def __new__(cls, *args: Any, **values: Any) -> "SpecOptions":
+        # The generated __init__ would answer a misspelled name with a bare TypeError; answer it
+        # as keyword arguments of generate_json are answered, naming the closest option.
+        _check_names(values)
+        if args:
+            raise InvalidOptionError(f"Invalid options: SpecOptions takes keyword arguments only, got {len(args)} "
+                                     "positional; write e.g. SpecOptions(temperature=0.7).")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTER_NAMES:
             raise InvalidOptionError(
@@ -111,12 +120,7 @@ class SpecOptions:
         ``InvalidOptionError`` naming it and the closest known option."""
         if options is not None and not isinstance(options, SpecOptions):
             raise InvalidOptionError(f"Invalid options: expected a SpecOptions, got {type(options).__name__}.")
-        names = [f.name for f in dataclasses.fields(cls)]
-        for name in overrides:
-            if name not in names:
-                close = difflib.get_close_matches(name, names, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise InvalidOptionError(f"Invalid option {name!r}: expected one of {', '.join(names)}.{hint}")
+        _check_names(overrides)
         return dataclasses.replace(options or cls(), **overrides)
 
     @property
@@ -149,6 +153,16 @@ class SpecOptions:
                          deterministic=deterministic,
                          cost_prior=r, cost_shape=shape, cost_key=f"{model}:{precision}",
                          history_key=f"{model}:{precision}:{drafters}", recent=estimates)
+
+
+def _check_names(values: dict[str, Any]) -> None:
+    """``InvalidOptionError`` naming the first unknown option in ``values`` and the closest known one."""
+    names = [f.name for f in dataclasses.fields(SpecOptions)]
+    for name in values:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise InvalidOptionError(f"Invalid option {name!r}: expected one of {', '.join(names)}.{hint}")
 
 
 def _is_int(value: Any) -> bool:

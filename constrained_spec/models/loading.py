@@ -10,6 +10,7 @@ load, from the environment unless ``load_model`` is given ``config=``, and hande
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -17,7 +18,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -288,9 +289,6 @@ def _load_gguf(path: Path, precision: str, device: str | torch.device | None, co
         install_gguf_decode(model)
         name = f"{path.stem} ({precision})"
     else:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
         dtype = getattr(torch, precision)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
         if device is not None:
@@ -381,6 +379,29 @@ def load_model(
     model), so repeated calls are free. Nothing is downloaded when ``HF_HUB_OFFLINE=1``; a hub id
     works only where the hub is reachable.
     """
+    with _library_bars_off():
+        return _load_model(name_or_path, precision, dtype, device, config, _name)
+
+
+@contextlib.contextmanager
+def _library_bars_off() -> Iterator[None]:
+    """transformers' progress bars off while a model loads ("Loading weights" printed on every
+    load and tangled with ``extract``'s own bar), then as the process had them: the setting is
+    the user's, not ours."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _load_model(name_or_path: str | None, precision: str | None, dtype: torch.dtype | str | None,
+                device: str | torch.device | None, config: RuntimeConfig | None, _name: str | None) -> ModelHandle:
+    """``load_model``'s work."""
     if config is None:
         config = RuntimeConfig.from_env()
     _adopt_process_settings(config)
@@ -397,9 +418,6 @@ def load_model(
     key = (str(name_or_path), str(dtype), str(device), config.cuda_graphs)
     if key in _LOADED:
         return _LOADED[key]
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the weights load in about a second; no bar needed
     if name_or_path is None:
         handle = _load_default(dtype, device, config)
         handle.gguf_file = _default_gguf_dir() / DEFAULT_MODEL_FILE
