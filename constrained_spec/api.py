@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .constraint import CompiledConstraint, JsonSchema, Matcher, compile_constraint, load_schema
+from .constraint import CompiledConstraint, JsonSchema, Matcher, check_constraint, compile_constraint, load_schema
+from .constraint.schema import close_objects
 from .constraint.validator import compiled_pattern, output_validator
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for, recent_estimates
 from .decoding.prefix import MIN_PREFIX, shared_prefix_length
@@ -39,10 +40,16 @@ def repetition_error(dec: SpeculativeDecoder, tokenizer: Any) -> RepetitionError
                            tokenizer.decode(dec.output[-length:], skip_special_tokens=False), copies)
 
 
-def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
-    """Token ids of ``prompt``, through the model's chat template when it has one."""
+def check_prompt(prompt: Any) -> None:
+    """``InvalidPromptError`` for a prompt that is not a string or holds only whitespace (no
+    model needed: answered before one loads)."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidPromptError(f"Invalid prompt: expected a non-empty string, got {prompt!r}.")
+
+
+def encode_prompt(handle: ModelHandle, prompt: str) -> list[int]:
+    """Token ids of ``prompt``, through the model's chat template when it has one."""
+    check_prompt(prompt)
     if getattr(handle.tokenizer, "chat_template", None):
         return encode_chat(handle, [{"role": "user", "content": prompt}])
     return encode_text(handle, prompt)
@@ -243,6 +250,7 @@ def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> DraftSo
 def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], CompiledConstraint], prompt: str,
            opts: SpecOptions, task: str, shared_prefix: str | None = None) -> tuple[ModelHandle, SpeculativeDecoder]:
     """Resolve the models, compile, encode the prompt and build the decoder: every check before any forward."""
+    check_prompt(prompt)  # before the model loads
     handle = resolve_model(model)
     parts = prepare_request(handle, resolve_draft(draft, handle, opts), compile_for(handle), prompt, opts, task,
                             shared_prefix)
@@ -294,7 +302,8 @@ def generate_json(
         options: a ``SpecOptions``; keyword arguments override its fields. The options:
             ``drafter`` ("auto"), ``k_max``, ``adaptive``, ``profile``, ``temperature`` (0:
             greedy), ``seed``, ``max_new_tokens`` (512), ``backend`` ("auto"), ``lenient``,
-            ``whitespace`` ("canonical"); see ``SpecOptions``. An unknown name raises
+            ``whitespace`` ("canonical"), ``closed`` (True: objects take their declared keys
+            only); see ``SpecOptions``. An unknown name raises
             ``InvalidOptionError``.
         stream: return a ``TextStream`` that yields the text as tokens are accepted; its
             ``value`` and ``stats`` are set once it is exhausted.
@@ -322,11 +331,20 @@ def generate_json(
     """
     opts = SpecOptions.build(options, **option_values)
     loaded = load_schema(schema)
+    decoded = decoded_schema(loaded, opts)
+    # Refused now, before a model loads, wherever the refusal needs no vocabulary.
+    check_constraint(decoded, kind="json", backend=opts.backend, lenient=opts.lenient, whitespace=opts.whitespace)
     compile_for = lambda h: compile_constraint(  # noqa: E731
-        loaded, h.tokenizer, kind="json", backend=opts.backend, lenient=opts.lenient, whitespace=opts.whitespace)
+        decoded, h.tokenizer, kind="json", backend=opts.backend, lenient=opts.lenient, whitespace=opts.whitespace)
     handle, dec = _start(model, draft, compile_for, prompt, opts, task="json", shared_prefix=shared_prefix)
     finish = lambda text: validate_json_output(text, loaded)  # noqa: E731
     return _generate(handle, dec, finish, stream=stream, return_stats=return_stats)
+
+
+def decoded_schema(loaded: JsonSchema, opts: SpecOptions) -> JsonSchema:
+    """The schema a request decodes with: ``loaded`` with its objects closed to their declared
+    keys where ``opts.closed`` (outputs are still validated against ``loaded`` as written)."""
+    return loaded._replace(schema=close_objects(loaded.schema)) if opts.closed else loaded
 
 
 def validate_json_output(text: str, schema: dict | JsonSchema, model_cls: type | None = None) -> Any:
@@ -423,6 +441,7 @@ def generate_regex(
         checker = compiled_pattern(pattern)  # the regex package: Unicode classes as llguidance reads them
     except regex.error as e:
         raise InvalidRegexError(f"Invalid regex {pattern!r}: it does not compile ({e}).") from None
+    check_constraint(pattern, kind="regex", backend=opts.backend)  # before a model loads
 
     def finish(text: str) -> str:
         if not checker.fullmatch(text):

@@ -4,17 +4,23 @@ Every ``python`` block of the README and of ``docs/`` runs here (a page's blocks
 namespace, on the embedded model), except a block marked ``<!-- docs-test: skip (reason) -->``;
 a block marked ``<!-- docs-test: server -->`` runs against a live server started here, its
 ``http://127.0.0.1:8000`` replaced by the server's address. Every ``constrained-spec`` command
-line in a ``bash`` block must name a real command and real options of it.
+line in a ``bash`` block must name a real command and real options of it, and runs as written
+(``test_commands_run``: in a copy of ``schemas/`` and ``examples/``, exit status 0), except in a
+block marked ``<!-- docs-test: skip (reason) -->`` (benchmarks, servers, files the reader brings).
+The shipped schemas are closed (``additionalProperties: false``).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,8 +50,10 @@ def test_readme_is_short_and_keeps_the_two_setup_commands():
 
 
 def test_every_page_reads_in_minutes():
-    """Reference pages, not history: each under 2,000 words (past measurements go to the changelog)."""
-    long = {p.name: n for p in DOCS.glob("*.md") if (n := len(p.read_text().split())) > 2000}
+    """Reference pages, not history: each under 2,000 words (past measurements go to the changelog),
+    counting what the site shows (the ``<!-- docs-test: ... -->`` marks do not render)."""
+    words = {p.name: len(re.sub(r"<!--.*?-->", "", p.read_text(), flags=re.S).split()) for p in DOCS.glob("*.md")}
+    long = {name: n for name, n in words.items() if n > 2000}
     assert not long
 
 
@@ -153,3 +161,79 @@ def test_python_examples_run(page, smol, monkeypatch):
         if server is not None:
             server.stop()
     assert ran >= 1
+
+
+def _runnable_commands() -> dict[str, list[str]]:
+    """Each distinct shell command that a ``bash`` block not marked skip runs, and the pages
+    showing it: an ``&&`` step that is a ``constrained-spec`` command (piped into or not) or
+    ``python examples/...``. The install steps, pytest, mkdocs and curl around them are the
+    reader's setup, not the examples, so they do not run here."""
+    found: dict[str, list[str]] = {}
+    for page in PAGES:
+        for mark, code in _blocks(page, "bash"):
+            if mark.startswith("skip"):  # any other mark fails test_bash_block_marks_are_skips_with_a_reason
+                continue
+            for line in code.replace("\\\n", " ").splitlines():
+                for step in (s.strip() for s in line.split("&&")):
+                    if re.match(r"(?:[^|#]*\|\s*)?constrained-spec\s|python examples/", step):
+                        found.setdefault(step, []).append(page.name)
+    return found
+
+
+def test_bash_block_marks_are_skips_with_a_reason():
+    marks = [(page.name, mark) for page in PAGES for mark, _ in _blocks(page, "bash") if mark]
+    assert all(re.fullmatch(r"skip \(.+\)", mark) for _, mark in marks), marks
+
+
+#: Seconds one documented command may take, model load included (about 10 s of imports and
+#: loading on a 2-core machine): the examples that run are quick by design, and one that is
+#: long (a benchmark, a server) belongs in a block marked skip.
+COMMAND_SECONDS = 150
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(_runnable_commands()), ids=lambda c: c.split("  #")[0].strip())
+def test_commands_run(command, tmp_path):
+    """The command runs as written (bash, so ``$(cat ...)`` and pipes work) and exits 0, in a
+    copy of the files the docs name, so what it writes (``--output people.jsonl``) lands in
+    ``tmp_path``, not in the repository. The user's model cache is kept: no HOME of its own."""
+    for folder in ("schemas", "examples"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=COMMAND_SECONDS)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command!r} ran past {COMMAND_SECONDS} s: mark its block "
+                    "<!-- docs-test: skip (why) --> if it is long by design")
+    assert done.returncode == 0, (f"{command!r} ({', '.join(_runnable_commands()[command])}) exited "
+                                  f"{done.returncode} after {time.perf_counter() - start:.0f} s\n"
+                                  f"stdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}")
+
+
+def _object_schemas(node, path: str):
+    """``(path, schema)`` of every object schema in ``node``: a ``type: object`` or one that lists ``properties``."""
+    if isinstance(node, dict):
+        if node.get("type") == "object" or isinstance(node.get("properties"), dict):
+            yield path, node
+        for key, value in node.items():
+            if key not in ("properties", "$defs", "definitions", "patternProperties"):
+                yield from _object_schemas(value, f"{path}/{key}")
+            elif isinstance(value, dict):  # a map of names to schemas: each value is a schema
+                for name, sub in value.items():
+                    yield from _object_schemas(sub, f"{path}/{key}/{name}")
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _object_schemas(item, f"{path}/{i}")
+
+
+def test_shipped_schemas_are_closed():
+    """Every object in ``schemas/*.json`` describes a record, so it takes its declared keys only:
+    an open one lets the model invent keys (``"country": "Germany"`` beside Rotterdam, or
+    ``"status_description"`` keys until the repetition guard stops the invoice example)."""
+    files = sorted((ROOT / "schemas").glob("*.json"))
+    assert len(files) >= 5
+    objects = [(f.name + path, node) for f in files for path, node in _object_schemas(json.loads(f.read_text()), "#")]
+    assert len(objects) >= len(files)
+    open_ = [where for where, node in objects if node.get("additionalProperties") is not False]
+    assert not open_, f"objects without additionalProperties: false: {open_}"

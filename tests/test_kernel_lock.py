@@ -183,3 +183,12 @@ def test_a_live_holder_makes_a_builder_give_up_after_its_bound(tmp_path, monkeyp
         assert not library.exists() and not list(directory.glob("build-*"))
     finally:
         os.close(fd)
+
+
+def test_a_kernel_asking_for_no_instruction_set_still_needs_what_the_build_flags_compile_for(monkeypatch):
+    """Every kernel is compiled with the AVX-512 base flags, so one that names no instruction set
+    of its own (dense_blocks) must not be built and loaded on a CPU without them: it stopped the
+    process with an illegal instruction there. Nothing is compiled here: the refusal comes first."""
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    why, _ = cpu_kernels._build.__wrapped__("dense_blocks.cpp", (), (), 1.0)
+    assert why.startswith("needs avx512f"), why

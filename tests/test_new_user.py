@@ -9,7 +9,10 @@ import textwrap
 
 import pytest
 
-from constrained_spec import InvalidOptionError, OutputValidationError, SpecOptions, validate_json_output
+from constrained_spec import (
+    InvalidOptionError, InvalidPromptError, InvalidRegexError, InvalidSchemaError, OutputValidationError, SpecOptions,
+    UnsupportedSchemaFeatureError, extract, generate_json, generate_regex, validate_json_output,
+)
 
 OPEN = {"type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}
 
@@ -102,3 +105,106 @@ def test_loading_the_embedded_model_prints_no_library_progress_bar():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Loading weights" not in done.stderr and "it/s" not in done.stderr, done.stderr[-500:]
     assert "bars still on: True" in done.stdout
+
+
+# --- bad input is answered before any model loads -----------------------------------------------
+
+NO_MODEL = "/nonexistent/never-loaded.gguf"  # loading it first would say so instead
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda: generate_regex(NO_MODEL, "([0-9]", "x"), InvalidRegexError),
+    (lambda: generate_json(NO_MODEL, {"type": "string", "minLength": 5, "maxLength": 2}, "x"), InvalidSchemaError),
+    (lambda: generate_json(NO_MODEL, {"type": "array", "uniqueItems": True}, "x"), UnsupportedSchemaFeatureError),
+    (lambda: generate_json(NO_MODEL, {"type": "string", "minLength": 5, "maxLength": 2}, "x",
+                           backend="outlines-core"), InvalidSchemaError),
+    (lambda: generate_json(NO_MODEL, {"type": "string"}, "  \n"), InvalidPromptError),
+    (lambda: list(extract({"type": "array", "uniqueItems": True}, ["a doc"], model=NO_MODEL)),
+     UnsupportedSchemaFeatureError),
+])
+def test_bad_input_is_refused_before_the_model_loads(call, error):
+    with pytest.raises(error):
+        call()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["regex", "([0-9]", "--prompt", "x"], "Invalid regex"),
+    (["json", '{"type": "string", "minLength": 5, "maxLength": 2}', "--prompt", "x"], "Unsatisfiable schema"),
+])
+def test_the_command_line_refuses_bad_input_before_loading_a_model(args, message):
+    """``--precision`` loads the model before the generation starts: the check comes first."""
+    done = subprocess.run([sys.executable, "-m", "constrained_spec.cli", *args, "--model", NO_MODEL,
+                           "--precision", "native"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-1000:]
+    assert message in done.stderr and "never-loaded" not in done.stderr, done.stderr[-1000:]
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "outlines-core"])
+def test_a_declared_key_drafted_twice_is_refused_while_decoding(smol_tokenizer, backend):
+    """A scripted draft that repeats a declared key of an open object is cut where the key
+    starts again, on both backends (an undeclared key twice passes llguidance's grammar and is
+    caught after decoding, above)."""
+    from constrained_spec import compile_constraint
+
+    schema = {"type": "object", "properties": {"status": {"type": "string"}, "note": {"type": "string"}},
+              "required": ["status"]}
+    matcher = compile_constraint(schema, smol_tokenizer, backend=backend).matcher()
+    state = matcher.initial_state
+    prefix = '{"status": "x", '
+    for token in smol_tokenizer(prefix, add_special_tokens=False)["input_ids"]:
+        state = matcher.next_state(state, token)
+        assert state is not None
+    walk = state
+    for token in smol_tokenizer('"note": "y"}', add_special_tokens=False)["input_ids"]:
+        walk = matcher.next_state(walk, token)
+        assert walk is not None  # the other key goes through: the walk itself is sound
+    assert matcher.is_final(walk)
+    repeat = smol_tokenizer('"status": "y"}', add_special_tokens=False)["input_ids"]
+    for token in repeat:
+        state = matcher.next_state(state, token)
+        if state is None:
+            break
+    assert state is None
+
+
+# --- objects take their declared keys unless asked otherwise -----------------------------------
+
+def test_objects_are_closed_to_their_declared_keys_by_default(smol_tokenizer):
+    """A small model given an open object invents keys (the schema's own text, a second "type"):
+    by default an object that says nothing of other keys takes its declared keys only, as
+    llama.cpp's converter and xgrammar's strict mode read it; closed=False is the standard's
+    reading. The output validates against the schema as written either way."""
+    import torch
+
+    from constrained_spec import ModelHandle, TokenLimitError
+    from tests.conftest import tiny_llama
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+              "required": ["name"]}
+    tiny = ModelHandle(tiny_llama(49152, seed=61, init=0.3, dtype=torch.float32), smol_tokenizer, "tiny")
+    keys = {}
+    for closed in (True, False):
+        texts = []
+        for seed in range(4):
+            stream = generate_json(tiny, schema, "Name: Ada.", temperature=1.0, seed=seed, max_new_tokens=40,
+                                   closed=closed, stream=True)
+            try:
+                for _ in stream:
+                    pass
+            except (TokenLimitError, OutputValidationError):
+                pass
+            texts.append(stream.text)
+        keys[closed] = texts
+    assert all(text.startswith('{"name": "') and text.count('": ') == 1 for text in keys[True]), keys[True]
+    assert any(text.count('": ') > 1 for text in keys[False]), keys[False]  # the open reading lets it invent
+
+
+def test_an_object_closing_would_make_unsatisfiable_stays_open():
+    from constrained_spec.constraint.schema import close_objects
+
+    declared = {"type": "object", "properties": {"a": {"type": "string"}}}
+    assert close_objects(declared)["additionalProperties"] is False
+    for node in ({**declared, "required": ["b"]}, {**declared, "minProperties": 2}):
+        assert "additionalProperties" not in close_objects(node)
+    pattern = {**declared, "patternProperties": {"^x": {}}, "required": ["xy"]}
+    assert close_objects(pattern)["additionalProperties"] is False

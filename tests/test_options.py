@@ -70,8 +70,9 @@ def test_seed_reproduces_sampled_output_with_a_draft_model_inside_hybrid(tiny):
     draft = ModelHandle(tiny_llama(49152, seed=62, init=0.3, dtype=torch.float32), tiny.tokenizer, "draft")
 
     def sample(seed):
+        # Open objects: the random model's keys of its own give the draft model positions to draft.
         stream = generate_json(tiny, SCHEMA, "Name: Ada. Tags: red, cyan.", draft=draft, drafter="hybrid",
-                               temperature=1.0, seed=seed, max_new_tokens=40, stream=True)
+                               temperature=1.0, seed=seed, max_new_tokens=40, stream=True, closed=False)
         try:
             for _ in stream:
                 pass

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import InvalidOptionError
-from .common import AdaptiveOpt, app, BackendOpt, DrafterOpt, DraftOpt, DtypeOpt, err, KOpt, LenientOpt, MaxOpt, _model_arg, ModelOpt, _options, PrecisionOpt, ProfileOpt, _run_guarded, _schema_arg, SeedOpt, ServerOpt, TempOpt, WhitespaceOpt
+from .common import AdaptiveOpt, app, BackendOpt, DrafterOpt, DraftOpt, DtypeOpt, err, KOpt, LenientOpt, MaxOpt, _model_arg, ModelOpt, _options, PrecisionOpt, ProfileOpt, _run_guarded, _schema_arg, SeedOpt, ServerOpt, TempOpt, WhitespaceOpt, ClosedOpt
 
 
 @app.command("extract")
@@ -19,6 +19,7 @@ def extract_cmd(
     input: Path = typer.Option(..., "--input", "-i", help="JSONL of {id, text} per line, or a folder (one document per file, the file name its id)."),
     output: Path = typer.Option(..., "--output", "-o", help="JSONL to write: {id, value, stats} or {id, error: {kind, message}} per line."),
     resume: bool = typer.Option(False, "--resume", help="Skip ids already in the output file and append the rest."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an output that already holds records (without it, or --resume, such an output is refused)."),
     prompt_template: Optional[Path] = typer.Option(None, "--prompt-template", help="File with a template using {text}, {fields}, {schema}."),
     batch_size: int = typer.Option(1, "--batch-size", help="Documents decoded together in the batch engine (one forward per step for all, each speculating); 1: one by one."),
     model: Optional[str] = ModelOpt,
@@ -35,6 +36,7 @@ def extract_cmd(
     backend: str = BackendOpt,
     lenient: bool = LenientOpt,
     whitespace: str = WhitespaceOpt,
+    closed: bool = ClosedOpt,
     server: Optional[str] = ServerOpt,
     engine: str = typer.Option("local", "--engine", help="local (this process) or ray (Ray Data actors, each running the batch engine; --output is then a folder)."),
     concurrency: int = typer.Option(1, "--concurrency", help="With --engine ray: actors, each holding a model."),
@@ -51,28 +53,52 @@ def extract_cmd(
     constrained-spec extract --engine ray --schema schemas/person.json --input docs.jsonl --output out/ --concurrency 2 --num-cpus 1
     """
     decoding = dict(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens, k_max=k_max,
-                    profile=profile, adaptive=adaptive, backend=backend, lenient=lenient, whitespace=whitespace)
+                    profile=profile, adaptive=adaptive, backend=backend, lenient=lenient, whitespace=whitespace,
+                    closed=closed)
     if engine == "ray":
         _run_guarded(lambda: _extract_on_ray(
-            schema, input, output, resume=resume, template=prompt_template.read_text() if prompt_template else None,
+            schema, input, output, resume=resume, overwrite=overwrite,
+            template=prompt_template.read_text() if prompt_template else None,
             fmt=output_format, address=address, model=model, draft=draft, batch_size=batch_size,
             concurrency=concurrency, num_cpus=num_cpus, num_gpus=num_gpus, options=decoding))
         return
     if engine != "local":
         err.print(f"[red]error:[/] Invalid --engine: expected local or ray, got {engine!r}.")
         raise typer.Exit(2)
-    _run_guarded(lambda: _extract_locally(schema, input, output, resume=resume, prompt_template=prompt_template,
-                                          batch_size=batch_size, model=model, dtype=dtype, precision=precision,
-                                          draft=draft, server=server, decoding=decoding))
+    _run_guarded(lambda: _extract_locally(schema, input, output, resume=resume, overwrite=overwrite,
+                                          prompt_template=prompt_template, batch_size=batch_size, model=model,
+                                          dtype=dtype, precision=precision, draft=draft, server=server,
+                                          decoding=decoding))
 
 
-def _extract_locally(schema: str, input: Path, output: Path, *, resume: bool, prompt_template: Optional[Path],
-                     batch_size: int, model: Optional[str], dtype: Optional[str], precision: Optional[str],
-                     draft: Optional[str], server: Optional[str], decoding: dict[str, Any]) -> None:
+def _check_output_file(output: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse, before anything loads, an output that would lose records: ``--resume`` with
+    ``--overwrite``, a folder, and a file that already holds records without one of the two (an
+    empty or blank file holds none and is overwritten silently)."""
+    if resume and overwrite:
+        raise InvalidOptionError("Invalid options: --resume (continue the records in --output) and --overwrite "
+                                 "(replace them) cannot be used together; choose one.")
+    if output.is_dir():
+        raise InvalidOptionError(f"Invalid --output: {output} is a folder; --engine local writes one JSONL file "
+                                 "(a folder is --engine ray's output).")
+    if resume or overwrite or not output.is_file():
+        return
+    with output.open("rb") as fh:
+        holds_records = any(line.strip() for line in fh)
+    if holds_records:
+        raise InvalidOptionError(f"Invalid --output: {output} already holds records; pass --resume to skip their ids "
+                                 "and append the rest, or --overwrite to replace the file.")
+
+
+def _extract_locally(schema: str, input: Path, output: Path, *, resume: bool, overwrite: bool,
+                     prompt_template: Optional[Path], batch_size: int, model: Optional[str], dtype: Optional[str],
+                     precision: Optional[str], draft: Optional[str], server: Optional[str],
+                     decoding: dict[str, Any]) -> None:
     """``extract --engine local``: in this process (or on ``server``), with a progress bar and a
     summary; exits 1 when a document failed."""
     from ..pipelines.extract import DEFAULT_PROMPT_TEMPLATE, JsonlWriter, extract, read_documents
 
+    _check_output_file(output, resume=resume, overwrite=overwrite)  # before any model or schema work
     options = _options(**decoding)
     spec = _schema_arg(schema)
     template = prompt_template.read_text() if prompt_template else DEFAULT_PROMPT_TEMPLATE
@@ -97,8 +123,8 @@ def _extract_locally(schema: str, input: Path, output: Path, *, resume: bool, pr
         raise typer.Exit(1) from None
 
 
-def _extract_on_ray(schema: str, input: Path, output: Path, *, resume: bool, template: Optional[str], fmt: str,
-                    address: Optional[str], model: Optional[str], draft: Optional[str], batch_size: int,
+def _extract_on_ray(schema: str, input: Path, output: Path, *, resume: bool, overwrite: bool, template: Optional[str],
+                    fmt: str, address: Optional[str], model: Optional[str], draft: Optional[str], batch_size: int,
                     concurrency: int, num_cpus: Optional[float], num_gpus: Optional[float],
                     options: dict[str, Any]) -> None:
     """``extract --engine ray``: Ray Data actors from files to an output folder."""
@@ -108,13 +134,14 @@ def _extract_on_ray(schema: str, input: Path, output: Path, *, resume: bool, tem
         import ray
     except ImportError:
         raise InvalidOptionError("--engine ray needs the ray extra: pip install 'constrained_spec\\[ray]'") from None
-    from ..pipelines.distributed import extract_to
+    from ..pipelines.distributed import check_output_folder, extract_to
     from ..pipelines.extract import DEFAULT_PROMPT_TEMPLATE
 
+    check_output_folder(output, fmt, resume=resume, overwrite=overwrite)  # before Ray starts
     spec = _schema_arg(schema)  # a pydantic class travels to the actors by value (cloudpickle)
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     t0 = time.perf_counter()
-    counts = extract_to(input, output, spec, fmt=fmt, resume=resume, model=model, draft=draft,
+    counts = extract_to(input, output, spec, fmt=fmt, resume=resume, overwrite=overwrite, model=model, draft=draft,
                         batch_size=max(batch_size, 1), concurrency=concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
                         prompt_template=template or DEFAULT_PROMPT_TEMPLATE, **options)
     seconds = time.perf_counter() - t0

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from .common import AdaptiveOpt, app, BackendOpt, DrafterOpt, DraftOpt, DtypeOpt, err, EXAMPLE_PROMPT, _generate_and_print, KOpt, LenientOpt, MaxOpt, _model_arg, ModelOpt, _options, PrecisionOpt, _print_stats, ProfileOpt, _prompt_text, PromptOpt, _remote_and_print, _run_guarded, _schema_arg, SeedOpt, ServerOpt, StatsOpt, StreamOpt, TempOpt, WhitespaceOpt
+from .common import AdaptiveOpt, app, BackendOpt, DrafterOpt, DraftOpt, DtypeOpt, err, EXAMPLE_PROMPT, _generate_and_print, KOpt, LenientOpt, MaxOpt, _model_arg, ModelOpt, _options, PrecisionOpt, _print_stats, ProfileOpt, _prompt_text, PromptOpt, _remote_and_print, _run_guarded, _schema_arg, SeedOpt, ServerOpt, StatsOpt, StreamOpt, TempOpt, WhitespaceOpt, ClosedOpt
 
 
 @app.command("json")
@@ -28,6 +28,7 @@ def json_cmd(
     backend: str = BackendOpt,
     lenient: bool = LenientOpt,
     whitespace: str = WhitespaceOpt,
+    closed: bool = ClosedOpt,
     stats: bool = StatsOpt,
     stream: bool = StreamOpt,
     server: Optional[str] = ServerOpt,
@@ -51,14 +52,25 @@ def json_cmd(
             lambda t: render(json.loads(t)), stream=stream, stats=stats, temperature=temperature, seed=seed,
             max_new_tokens=max_new_tokens, drafter=drafter, k_max=k_max, adaptive=adaptive))
         return
-    from ..api import generate_json
+    def run() -> None:
+        from ..constraint import check_constraint
 
-    _run_guarded(lambda: _generate_and_print(
-        generate_json, _schema_arg(schema), text, render, stream=stream, stats=stats, model=_model_arg(model, dtype, precision),
-        draft=draft, options=_options(drafter=drafter, temperature=temperature, seed=seed,
-                                      max_new_tokens=max_new_tokens, k_max=k_max, profile=profile, adaptive=adaptive,
-                                      backend=backend, lenient=lenient, whitespace=whitespace)))
+        from ..constraint import load_schema
+        from ..constraint.schema import close_objects
 
+        target = load_schema(_schema_arg(schema))
+        # First, before the models' libraries import and --dtype / --precision load the model.
+        check_constraint(target._replace(schema=close_objects(target.schema)) if closed else target, kind="json",
+                         backend=backend, lenient=lenient, whitespace=whitespace)
+        options = _options(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                           k_max=k_max, profile=profile, adaptive=adaptive, backend=backend, lenient=lenient,
+                           whitespace=whitespace, closed=closed)
+        from ..api import generate_json  # after the check: it imports the models' libraries
+
+        _generate_and_print(generate_json, target, text, render, stream=stream, stats=stats,
+                            model=_model_arg(model, dtype, precision), draft=draft, options=options)
+
+    _run_guarded(run)
 
 
 @app.command("regex")
@@ -93,13 +105,19 @@ def regex_cmd(
             server, remote.regex_constraint(pattern), text, str, stream=stream, stats=stats, temperature=temperature,
             seed=seed, max_new_tokens=max_new_tokens, drafter=drafter, k_max=k_max, adaptive=adaptive))
         return
-    from ..api import generate_regex
+    def run() -> None:
+        from ..constraint import check_constraint
 
-    _run_guarded(lambda: _generate_and_print(
-        generate_regex, pattern, text, str, stream=stream, stats=stats, model=_model_arg(model, dtype, precision),
-        draft=draft, options=_options(drafter=drafter, temperature=temperature, seed=seed,
-                                      max_new_tokens=max_new_tokens, k_max=k_max, profile=profile, adaptive=adaptive,
-                                      backend=backend)))
+        # First, before the models' libraries import and --dtype / --precision load the model.
+        check_constraint(pattern, kind="regex", backend=backend)
+        options = _options(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                           k_max=k_max, profile=profile, adaptive=adaptive, backend=backend)
+        from ..api import generate_regex  # after the check: it imports the models' libraries
+
+        _generate_and_print(generate_regex, pattern, text, str, stream=stream, stats=stats,
+                            model=_model_arg(model, dtype, precision), draft=draft, options=options)
+
+    _run_guarded(run)
 
 
 @app.command("demo")

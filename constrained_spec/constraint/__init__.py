@@ -12,12 +12,15 @@
 - ``base``: the interface: an immutable, shared ``CompiledConstraint`` and a per-request
   ``Matcher`` (``compiled.matcher()``), which is the only thing that decodes.
 - ``masking``: a mask applied to logits, and the masked law.
+- ``ecma_regex``: a schema's patterns as ECMA-262 reads them, for every engine that runs them.
+- ``keywords``: unknown (most likely misspelled) schema keywords, reported as warnings.
 """
 
 from .base import CompiledConstraint, Matcher, State
-from .compile import (AUTO_BACKEND, BACKENDS, Backend, CheckedConstraint, Kind, cache_bytes, clear_cache,
-                      compile_checked, compile_constraint, resolve_backend, set_cache_bytes)
+from .compile import (AUTO_BACKEND, BACKENDS, Backend, CheckedConstraint, Kind, cache_bytes, check_constraint,
+                      clear_cache, compile_checked, compile_constraint, resolve_backend, set_cache_bytes)
 from .limits import DEFAULT_LIMITS, ConstraintLimits
+from .keywords import UnknownSchemaKeywordWarning
 from .layout import DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS
 from .llguidance import GuidanceCompiled, GuidanceMatcher
 from .masking import apply_mask, masked_probs
@@ -29,7 +32,7 @@ from .vocabulary import TokenVocabulary, vocabulary_of
 __all__ = [
     "AUTO_BACKEND", "BACKENDS", "Backend", "CheckedConstraint", "CompiledConstraint", "ConstraintLimits", "DEFAULT_LIMITS", "DEFAULT_JSON_WHITESPACE", "GuidanceCompiled",
     "GuidanceMatcher", "JSON_LAYOUTS", "JsonSchema", "Kind", "Matcher", "OutlinesCompiled", "OutlinesMatcher",
-    "State", "TokenVocabulary", "apply_mask", "cache_bytes", "clear_cache", "compile_checked", "compile_constraint", "iter_subschemas",
+    "State", "TokenVocabulary", "UnknownSchemaKeywordWarning", "apply_mask", "cache_bytes", "check_constraint", "clear_cache", "compile_checked", "compile_constraint", "iter_subschemas",
     "keyword_path", "load_schema", "map_subschemas", "masked_probs", "resolve_backend", "schema_to_regex", "set_cache_bytes",
     "vocabulary_of",
 ]

@@ -31,7 +31,7 @@ from .base import CompiledConstraint
 from .cache import ByteBoundedLRU
 from .layout import DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, whitespace_regex
 from .limits import DEFAULT_LIMITS, ConstraintLimits, check_regex_limits, check_schema_limits
-from .llguidance import compile_json_guidance, compile_regex_guidance
+from .llguidance import check_json_guidance, check_regex_guidance, compile_json_guidance, compile_regex_guidance
 from .outlines_core import compile_outlines
 from .outlines_core_schema import schema_to_regex
 from .schema import JsonSchema, close_objects, load_schema
@@ -154,6 +154,42 @@ def compile_constraint(
             _check_in_time(source, tokenizer, timeout_s=timeout_s, **options)
         compiled = _compile(source, tokenizer, vocab, **options)
     return _CACHE.put(key, compiled)
+
+
+def check_constraint(
+    spec: Any,
+    *,
+    kind: Kind = "json",
+    backend: Backend = "auto",
+    lenient: bool = False,
+    whitespace: str = DEFAULT_JSON_WHITESPACE,
+    limits: ConstraintLimits | None = None,
+) -> None:
+    """Every refusal ``compile_constraint`` can make without a tokenizer, made now: so a bad
+    option, an invalid, over-limit, unsupported or unsatisfiable schema, or a pattern that does
+    not parse is answered before a model loads (the model is needed only for its vocabulary).
+    What only the vocabulary decides (whether any of its tokens can start an output) stays with
+    the compile. Arguments and errors as in ``compile_constraint``."""
+    backend = resolve_backend(backend)
+    limits = _checked_options(kind, whitespace, limits)
+    source, key_text = _load_source(spec, kind, whitespace, limits)
+    key = (backend, kind, key_text, whitespace if kind == "json" else "", lenient)
+    if _PASSED.get(key) is not None:  # a request loop checks its schema once, not per request
+        return
+    if kind == "json":
+        schema = source.schema if isinstance(source, JsonSchema) else source
+        if backend == "llguidance":
+            check_json_guidance(schema, whitespace, lenient=lenient)
+        else:
+            schema_to_regex(schema, whitespace)  # outlines-core's refusals are made here, tokenizer-free
+    elif backend == "llguidance":
+        check_regex_guidance(source)
+    _PASSED.put(key, len(key_text))
+
+
+#: Schemas and patterns ``check_constraint`` passed, each weighed by its text's length (4 MiB of
+#: text kept, the least recent dropped first).
+_PASSED: ByteBoundedLRU[int] = ByteBoundedLRU(4 << 20, lambda length: length)
 
 
 def _checked_options(kind: str, whitespace: Any, limits: Any) -> ConstraintLimits:

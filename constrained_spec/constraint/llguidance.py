@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import InvalidRegexError, InvalidSchemaError, UnsupportedSchemaFeatureError
 from .base import CompiledConstraint, Matcher, State
+from .ecma_regex import with_ecma_patterns
 from .layout import whitespace_regex
 from .schema import iter_subschemas, keyword_path, map_subschemas
 from .vocabulary import TokenVocabulary
@@ -76,23 +77,84 @@ class _VocabularyTokens:
         return out
 
 
+#: llguidance tokenizers of hand-built vocabularies, by fingerprint.
 _LLTOKENIZERS: dict[Any, Any] = {}
+#: llguidance tokenizers of Hugging Face tokenizers, per tokenizer object (``tables.per_object``).
+_HF_LLTOKENIZERS: dict[int, tuple[Callable[[], Any], Any]] = {}
+#: What llguidance's token table is built by, so part of its stored key.
+LLGUIDANCE_LIBRARIES = ("llguidance", "transformers", "tokenizers")
 
 
 def lltokenizer(tokenizer: Any, vocab: TokenVocabulary) -> Any:
-    """The llguidance tokenizer of a Hugging Face tokenizer or a hand-built vocabulary (memoized)."""
+    """The llguidance tokenizer of a Hugging Face tokenizer (memoized per object; its token table
+    kept on disk: ``stored_lltokenizer``) or of a hand-built vocabulary (memoized)."""
+    import llguidance
+
+    from .tables import per_object
+
+    if tokenizer is not vocab:
+        return per_object(_HF_LLTOKENIZERS, tokenizer, lambda: stored_lltokenizer(tokenizer))
+    hit = _LLTOKENIZERS.get(vocab.fingerprint)
+    if hit is None:
+        hit = _LLTOKENIZERS[vocab.fingerprint] = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_VocabularyTokens(vocab)))
+    return hit
+
+
+class _StoredTokens:
+    """llguidance's token table of a Hugging Face tokenizer, as ``TokenizerWrapper`` takes it: the
+    bytes of every id (special ones as llguidance names them), the special ids and EOS; text is
+    tokenized by the tokenizer itself, as ``llguidance.hf`` does (no special tokens added)."""
+
+    bos_token_id = None
+
+    def __init__(self, tokenizer: Any, tokens: list[bytes], special: list[int], eos: int) -> None:
+        self.tokens = tokens
+        self.special_token_ids = special
+        self.eos_token_id = eos
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes) -> list[int]:
+        # llguidance hands over valid UTF-8 only (it tokenizes a broken tail by itself).
+        return self._tokenizer.encode(text.decode("utf-8"), add_special_tokens=False)
+
+
+def stored_lltokenizer(tokenizer: Any) -> Any:
+    """``llguidance.hf.from_tokenizer(tokenizer)``, its token table read from the disk cache
+    (``constraint.tables``) when there, else built and stored.
+
+    llguidance's tokenizer cannot be pickled, and ``from_tokenizer`` serializes the whole
+    tokenizer, copies and parses it again before deriving its table, seconds on a large
+    vocabulary. From the stored table, through ``TokenizerWrapper``, only its token trie and
+    mask slices are built, which only llguidance can make (docs/json-output.md has the
+    figures). Both give the same tokenizer: the same bytes and special flag for every id, the
+    same EOS and the same tokenization (``tests/test_vocabulary_tables.py``).
+    """
     import llguidance
     import llguidance.hf
 
-    key = vocab.fingerprint if tokenizer is vocab else id(tokenizer)
-    hit = _LLTOKENIZERS.get(key)
-    if hit is None:
-        if tokenizer is vocab:
-            hit = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabularyTokens(vocab)))
-        else:
-            hit = llguidance.hf.from_tokenizer(tokenizer)
-        _LLTOKENIZERS[key] = hit
-    return hit
+    from .tables import library_versions, memoized_digest, pack_bytes, pack_ints, read_tables, unpack_bytes, \
+        unpack_ints, write_tables
+
+    digest = memoized_digest(tokenizer)
+    if digest is None:
+        return llguidance.hf.from_tokenizer(tokenizer)
+    key = f"{digest};{library_versions(*LLGUIDANCE_LIBRARIES)}"
+    sections = read_tables("llguidance", key)
+    if sections is not None:
+        try:
+            tokens = unpack_bytes(sections["lengths"], sections["bytes"])
+            eos = unpack_ints(sections["eos"])
+            stored = _StoredTokens(tokenizer, tokens, unpack_ints(sections["special"]), eos[0])
+            return llguidance.LLTokenizer(llguidance.TokenizerWrapper(stored), eos_token=eos)
+        except (ValueError, KeyError, IndexError):
+            pass  # sections that do not fit together: rebuilt below
+    built = llguidance.hf.from_tokenizer(tokenizer)
+    ids = range(built.vocab_size)
+    lengths, blob = pack_bytes([built.decode_bytes([i]) for i in ids])
+    write_tables("llguidance", key, {"lengths": lengths, "bytes": blob, "eos": pack_ints(built.eos_tokens),
+                                     "special": pack_ints([i for i in ids if built.is_special_token(i)])})
+    return built
 
 
 class GuidanceCompiled(CompiledConstraint):
@@ -296,17 +358,34 @@ def json_options(whitespace: str, lenient: bool) -> dict[str, Any]:
     return {"item_separator": ",", "key_separator": ":", "whitespace_pattern": ws, "lenient": lenient}
 
 
-def _compile_grammar(grammar: str, lltok: Any, vocab: TokenVocabulary, kind: str, pattern: str, *,
-                     schema: Any = None, relaxed: bool = False) -> GuidanceCompiled:
-    """Validate ``grammar`` (naming a refused keyword) and check that some output is possible."""
+def _validated(grammar: str, lltok: Any, kind: str, pattern: str, *, schema: Any = None,
+               relaxed: bool = False) -> list[str]:
+    """llguidance's warnings on ``grammar``, or the refusal (naming a refused keyword) as our
+    error. ``lltok`` None checks the grammar alone: everything but what the vocabulary decides."""
     from llguidance import LLMatcher
 
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok, limits=parser_limits())
     if is_error:
         msg = messages[0] if messages else "unknown error"
         if kind == "regex":
-            raise InvalidRegexError(f"Invalid regex {pattern[:200]!r}: llguidance says {msg}")
+            raise _regex_refusal(msg, pattern)
         raise _schema_refusal(msg, schema, relaxed)
+    return messages
+
+
+def _regex_refusal(msg: str, pattern: str) -> InvalidRegexError:
+    """The error for llguidance's refusal ``msg`` of a pattern: its parser's own line (e.g.
+    "error: unclosed group") when it could not parse it, else the whole message."""
+    parse_error = re.search(r"^error: (.*)$", msg, re.M) if "regex parse error" in msg else None
+    if parse_error:
+        return InvalidRegexError(f"Invalid regex {pattern[:200]!r}: it does not compile ({parse_error.group(1)}).")
+    return InvalidRegexError(f"Invalid regex {pattern[:200]!r}: llguidance says {msg}")
+
+
+def _compile_grammar(grammar: str, lltok: Any, vocab: TokenVocabulary, kind: str, pattern: str, *,
+                     schema: Any = None, relaxed: bool = False) -> GuidanceCompiled:
+    """Validate ``grammar`` (naming a refused keyword) and check that some output is possible."""
+    messages = _validated(grammar, lltok, kind, pattern, schema=schema, relaxed=relaxed)
     compiled = GuidanceCompiled(grammar, lltok, vocab, kind, pattern, messages)
     probe = compiled.matcher()
     if not probe.is_final(probe.initial_state) and not _can_start(probe):
@@ -401,25 +480,53 @@ def compile_regex_guidance(pattern: str, tokenizer: Any, vocab: TokenVocabulary)
                             "regex", pattern)
 
 
+def check_regex_guidance(pattern: str) -> None:
+    """``compile_regex_guidance``'s refusals that need no tokenizer (a pattern llguidance cannot
+    parse), answered before any model loads; whether a token can start a match is the compile's."""
+    from llguidance import LLMatcher
+
+    _validated(LLMatcher.grammar_from_regex(pattern), None, "regex", pattern)
+
+
 def compile_json_guidance(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespace: str, *,
                           lenient: bool) -> GuidanceCompiled:
     """Compile a schema with llguidance: strictly; with ``lenient``, strictly where it can be and
     otherwise with the unenforceable keywords relaxed and named in ``warnings``."""
+    return _strict_then_lenient(lambda relax: _compile_json(schema, tokenizer, vocab, whitespace, relax=relax),
+                                lenient)
+
+
+def check_json_guidance(schema: dict, whitespace: str, *, lenient: bool) -> None:
+    """``compile_json_guidance``'s refusals that need no tokenizer (an unsupported keyword, a
+    schema no value satisfies, one llguidance cannot read), answered before any model loads;
+    whether a token of the vocabulary can start an output is the compile's."""
+    def check(relax: bool) -> None:
+        grammar, pattern, used, _ = _json_grammar(schema, whitespace, relax)
+        _validated(grammar, None, "json", pattern, schema=used, relaxed=relax)
+
+    _strict_then_lenient(check, lenient)
+
+
+def _strict_then_lenient(attempt: Callable[[bool], Any], lenient: bool) -> Any:
+    """``attempt(relax=False)``; on a refused keyword, with ``lenient`` ``attempt(relax=True)``,
+    else the strict refusal, which says lenient mode would help only where a relaxed attempt
+    succeeds."""
     try:
-        return _compile_json(schema, tokenizer, vocab, whitespace, relax=False)
+        return attempt(False)
     except UnsupportedSchemaFeatureError as strict_error:
         if lenient:
-            return _compile_json(schema, tokenizer, vocab, whitespace, relax=True)
+            return attempt(True)
         if strict_error.relaxable:
             try:  # the refusal says lenient=True would compile it: only where that is true
-                _compile_json(schema, tokenizer, vocab, whitespace, relax=True)
+                attempt(True)
             except InvalidSchemaError as lenient_error:
                 raise lenient_error from None
         raise
 
 
-def _compile_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespace: str, *,
-                  relax: bool) -> GuidanceCompiled:
+def _json_grammar(schema: dict, whitespace: str, relax: bool) -> tuple[str, str, dict, list[str]]:
+    """(llguidance grammar, its cache text, the schema it was built from, the paths whose
+    property counts were dropped) of ``schema`` in a layout, strict or relaxed."""
     from llguidance import LLMatcher
 
     options = json_options(whitespace, relax)
@@ -429,8 +536,16 @@ def _compile_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespa
         schema, dropped = _without_unsupported_property_counts(schema)
     # As JSON text: llguidance reads integers past 64 bits from text (as floats; the bounds are
     # widened first so that no valid value is lost), where a dict of Python ints is refused.
-    grammar = LLMatcher.grammar_from_json_schema(json.dumps(_widened_bounds(schema)), defaults=options)
+    # Patterns as ECMA-262 reads them (llguidance reads Rust's dialect: \\S took U+FEFF).
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(_widened_bounds(with_ecma_patterns(schema))),
+                                                 defaults=options)
     pattern = "json:" + json.dumps(schema, sort_keys=True) + json.dumps(options, sort_keys=True)
+    return grammar, pattern, schema, dropped
+
+
+def _compile_json(schema: dict, tokenizer: Any, vocab: TokenVocabulary, whitespace: str, *,
+                  relax: bool) -> GuidanceCompiled:
+    grammar, pattern, schema, dropped = _json_grammar(schema, whitespace, relax)
     compiled = _compile_grammar(grammar, lltokenizer(tokenizer, vocab), vocab, "json", pattern, schema=schema,
                                 relaxed=relax)
     notes = list(compiled.warnings)  # llguidance's own warnings name what it relaxed

@@ -22,7 +22,8 @@ import outlines_core.json_schema as json_regexes
 from outlines_core.json_schema import build_regex_from_schema
 
 from ..errors import InvalidRegexError, UnsupportedSchemaFeatureError
-from .layout import DEFAULT_JSON_WHITESPACE, whitespace_regex
+from .ecma_regex import ecma_pattern
+from .layout import DEFAULT_JSON_WHITESPACE, JSON_LAYOUTS, whitespace_regex
 from .outlines_core import BYTE_VOCAB, build_index, scan_regex, skip_class, skip_escape
 from .schema import iter_subschemas, map_subschemas
 
@@ -316,10 +317,12 @@ def _pattern_body(pattern: str) -> str | None:
     """The regex outlines-core should match a whole JSON string's text against for ``pattern``.
 
     Without a leading ``^`` and a trailing ``$`` (JSON Schema patterns search; a whole match is
-    one of the texts they find), and with every character it matches intersected with the
-    characters a JSON string holds unescaped (``_json_safe``). None where that cannot be done: an
-    end assertion left inside, the verbose flag, or syntax this reader does not follow.
+    one of the texts they find), its classes as ECMA-262 reads them (``ecma_pattern``), and with
+    every character it matches intersected with the characters a JSON string holds unescaped
+    (``_json_safe``). None where that cannot be done: an end assertion left inside, the verbose
+    flag, or syntax this reader does not follow.
     """
+    pattern = ecma_pattern(pattern)  # as ECMA-262 reads it: outlines-core reads Rust's dialect
     body = pattern[1:] if pattern.startswith("^") else pattern
     scan = scan_regex(body)
     if scan.end_anchors and scan.end_anchors[-1][1] == len(body) and body.endswith("$"):
@@ -659,8 +662,8 @@ class JsonRegex(str):
     end_marker: int | None = None
 
 
-#: The layouts' whitespace regexes that never match a NUL byte.
-_NUL_FREE_WHITESPACE = (None, "", r"[ ]?")
+#: The named layouts' whitespace regexes: spaces and newlines only, so none matches a NUL byte.
+_NUL_FREE_WHITESPACE = tuple(JSON_LAYOUTS.values())
 
 
 def schema_to_regex(schema: dict, whitespace: str = DEFAULT_JSON_WHITESPACE) -> JsonRegex:

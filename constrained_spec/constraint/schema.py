@@ -35,7 +35,9 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
     Raises ``InvalidSchemaError`` when the input is not a valid JSON schema, or is over
     ``limits`` (a ``ConstraintLimits``; default: ``constraint.limits.DEFAULT_LIMITS``), checked
     before anything recurses into it. For draft-03..07 schemas, keywords beside a ``$ref`` are
-    dropped, as those drafts say.
+    dropped, as those drafts say. Warns ``UnknownSchemaKeywordWarning`` for a keyword no draft
+    knows that lies close to one that constrains values (``constraint.keywords``: most likely
+    misspelled, and ignored).
     """
     from .limits import DEFAULT_LIMITS, check_schema_bytes, check_schema_limits
 
@@ -65,6 +67,9 @@ def load_schema(spec: Any, *, limits: Any = None) -> JsonSchema:
         where = "/" + "/".join(str(p) for p in e.absolute_path)
         raise InvalidSchemaError(f"Invalid schema at {where}: {e.message} (the schema breaks the JSON Schema "
                                  "standard; lenient=True does not change that).") from None
+    from .keywords import warn_unknown_keywords
+
+    warn_unknown_keywords(schema, stacklevel=3)  # a misspelled keyword is ignored by the standard: say so
     if _REF_OVERRIDES_SIBLINGS.search(str(schema.get("$schema", ""))):
         schema = _without_ref_siblings(schema)
     if any(isinstance(node.get(k), float) for _, node in iter_subschemas(schema) for k in COUNT_KEYWORDS):
@@ -151,7 +156,8 @@ def _combines(node: dict) -> bool:
 
 def close_objects(schema: dict) -> dict:
     """A copy of ``schema`` in which every object that lists its ``properties`` and says nothing
-    of others (no ``additionalProperties``) takes none (``false``): the declared keys only, as
+    of others (no ``additionalProperties``), and requires no key it does not declare, takes none
+    (``false``): the declared keys only, as
     pydantic classes and a server's ``strict: true`` schemas are decoded. Every output under the
     copy is valid under ``schema``; a schema that joins object schemas (``_combines``: an
     ``allOf`` of several, a ``$ref`` beside ``properties``, ``if``/``then``, ...) is returned as
@@ -161,11 +167,28 @@ def close_objects(schema: dict) -> dict:
         return schema
 
     def close(node: dict, _path: str) -> dict:
-        if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+        declared = node.get("properties")
+        required = node.get("required")
+        # An object that requires a key it does not declare, or more keys than it declares, is
+        # left open: closed, nothing would satisfy it.
+        names_all = not isinstance(required, list) or all(
+            name in declared or _matches_a_pattern(name, node.get("patternProperties")) for name in required)
+        room = "patternProperties" in node or not isinstance(node.get("minProperties"), int) \
+            or node["minProperties"] <= len(declared or {})
+        if isinstance(declared, dict) and "additionalProperties" not in node and names_all and room:
             return {**node, "additionalProperties": False}
         return node
 
     return map_subschemas(schema, close)
+
+
+def _matches_a_pattern(name: Any, patterns: Any) -> bool:
+    """Whether the key ``name`` matches one of ``patternProperties``' patterns (as ECMA-262 reads them)."""
+    if not isinstance(patterns, dict) or not isinstance(name, str):
+        return False
+    from .validator import schema_pattern
+
+    return any(schema_pattern(p).search(name) for p in patterns)
 
 
 def _parse(text: str, what: str, limits: Any) -> Any:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..errors import InvalidTokenizerError
+from .tables import (library_versions, memoized_digest, pack_bytes, pack_ints, per_object, read_tables, unpack_bytes,
+                     unpack_ints, write_tables)
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -94,16 +97,52 @@ class TokenVocabulary:
         return table
 
 
-_VOCAB_CACHE: dict[int, TokenVocabulary] = {}
+#: What ``TokenVocabulary.from_tokenizer`` runs on, so part of its stored table's key.
+VOCABULARY_LIBRARIES = ("constrained_spec", "transformers", "tokenizers")
+
+_VOCAB_CACHE: dict[int, tuple[Callable[[], Any], TokenVocabulary]] = {}
 
 
 def vocabulary_of(tokenizer: Any) -> TokenVocabulary:
-    """The ``TokenVocabulary`` of a Hugging Face tokenizer (memoized per object), or the
-    vocabulary itself when one is given."""
+    """The ``TokenVocabulary`` of a Hugging Face tokenizer (memoized per object, and kept on disk
+    for a fast tokenizer: ``stored_vocabulary``), or the vocabulary itself when one is given."""
     if isinstance(tokenizer, TokenVocabulary):
         return tokenizer
-    key = id(tokenizer)
-    vocab = _VOCAB_CACHE.get(key)
-    if vocab is None:
-        vocab = _VOCAB_CACHE[key] = TokenVocabulary.from_tokenizer(tokenizer)
+    return per_object(_VOCAB_CACHE, tokenizer, lambda: stored_vocabulary(tokenizer))
+
+
+def stored_vocabulary(tokenizer: Any) -> TokenVocabulary:
+    """``TokenVocabulary.from_tokenizer(tokenizer)``, read from the disk cache when it holds this
+    tokenizer's (``constraint.tables``), else built and stored: a new process then skips the
+    build, seconds on a large vocabulary (docs/json-output.md)."""
+    digest = memoized_digest(tokenizer)
+    if digest is None:
+        return TokenVocabulary.from_tokenizer(tokenizer)
+    key = f"{digest};{library_versions(*VOCABULARY_LIBRARIES)}"
+    sections = read_tables("vocabulary", key)
+    if sections is not None:
+        try:
+            return _vocabulary_from(sections)
+        except (ValueError, KeyError, TypeError):
+            pass  # sections that do not fit together: rebuilt below
+    vocab = TokenVocabulary.from_tokenizer(tokenizer)
+    write_tables("vocabulary", key, _vocabulary_sections(vocab))
     return vocab
+
+
+def _vocabulary_sections(vocab: TokenVocabulary) -> dict[str, bytes]:
+    ids = list(vocab.token_bytes)
+    lengths, blob = pack_bytes([vocab.token_bytes[t] for t in ids])
+    meta = json.dumps({"eos": vocab.eos_token_id, "size": vocab.size, "fingerprint": vocab.fingerprint}).encode()
+    return {"meta": meta, "ids": pack_ints(ids), "lengths": lengths, "bytes": blob}
+
+
+def _vocabulary_from(sections: dict[str, bytes]) -> TokenVocabulary:
+    """The vocabulary ``_vocabulary_sections`` stored; ValueError when its sections disagree."""
+    meta = json.loads(sections["meta"])
+    ids = unpack_ints(sections["ids"])
+    items = unpack_bytes(sections["lengths"], sections["bytes"])
+    if len(ids) != len(items):
+        raise ValueError("as many ids as tokens expected")
+    # The stored fingerprint is the one the build computed; the file's checksum vouches for it.
+    return TokenVocabulary(dict(zip(ids, items)), int(meta["eos"]), int(meta["size"]), str(meta["fingerprint"]))

@@ -2,7 +2,7 @@
 
 A K policy starts a request from what recent requests on the same model learned (acceptance
 per drafter kind, the verify-cost curve, acceptance per confidence bucket, a costly drafter's
-tokens per ask), and a learned head from what asking it cost. One ``RecentEstimates`` holds
+tokens per ask), and a costly draft (a learned head, a draft model) from what asking it cost. One ``RecentEstimates`` holds
 them; whoever owns it decides who shares it: the model handle (``ModelHandle.estimates``,
 through ``recent_estimates``), so every request on one loaded model learns from the others,
 while two handles, or two engines given their own, never see each other's figures.
@@ -25,14 +25,15 @@ class RecentEstimates:
         curve: per cost key, the verify-cost curve's (shape, r).
         confidence: per history key, the acceptance per (alpha key, confidence bucket).
         ask_gain: per history key, the accepted tokens per ask of each costly kind.
-        head_timings: per draft head, its (seconds per drafted token, seconds per ask).
+        draft_timings: per costly draft (a head, a draft model), its (seconds per drafted token,
+            seconds per ask).
     """
 
     alpha: dict[str, dict[str, float]] = field(default_factory=dict)
     curve: dict[str, tuple[str, float]] = field(default_factory=dict)
     confidence: dict[str, dict[tuple[str, int], float]] = field(default_factory=dict)
     ask_gain: dict[str, dict[str, float]] = field(default_factory=dict)
-    head_timings: "weakref.WeakKeyDictionary[Any, tuple[float, float]]" = field(
+    draft_timings: "weakref.WeakKeyDictionary[Any, tuple[float, float]]" = field(
         default_factory=weakref.WeakKeyDictionary)
 
 

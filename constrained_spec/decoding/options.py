@@ -47,7 +47,12 @@ class SpecOptions:
         lenient: llguidance only: relax keywords it cannot enforce instead of refusing them (named
             in ``stats.relaxed``; the output is still validated against the full schema).
         whitespace: the JSON layout: "canonical" (``json.dumps`` style, the default), "flexible",
-            "compact", or a whitespace regex.
+            "compact", "indented", or a whitespace regex (``constraint.layout``).
+        closed: objects that declare ``properties`` and say nothing of others take their
+            declared keys only, as xgrammar's strict mode, llama.cpp's converter and OpenAI's
+            strict schemas read them (``constraint.schema.close_objects``); every output still
+            validates against the schema as written. False: the standard's reading, where a
+            model may add keys of its own (docs/json-output.md measures what they cost).
         prefix_cache: reuse the keys and values of a shared prompt prefix that earlier requests
             on the same model computed (``decoding.prefix``; outputs are identical either way).
         max_repeats: stop a request whose output ends in this many copies of one token cycle
@@ -72,6 +77,7 @@ class SpecOptions:
     backend: str = "auto"
     lenient: bool = False
     whitespace: str = DEFAULT_JSON_WHITESPACE
+    closed: bool = True
     prefix_cache: bool = True
     max_repeats: int = 8
 
@@ -109,6 +115,8 @@ class SpecOptions:
             raise InvalidOptionError(f"Invalid backend: expected one of {list(BACKENDS)}, got {self.backend!r}.")
         if not isinstance(self.lenient, bool):
             raise InvalidOptionError(f"Invalid lenient: expected True or False, got {self.lenient!r}.")
+        if not isinstance(self.closed, bool):
+            raise InvalidOptionError(f"Invalid closed: expected True or False, got {self.closed!r}.")
         if not isinstance(self.whitespace, str):
             raise InvalidOptionError(
                 f"Invalid whitespace: expected one of {sorted(JSON_LAYOUTS)} or a regex, got {self.whitespace!r}.")

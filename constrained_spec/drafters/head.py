@@ -348,7 +348,7 @@ class HeadDrafter(Drafter):
     def set_recent_estimates(self, recent: Any) -> None:
         """Start from the timings the last request with this head left in ``recent`` (so its
         first asks are weighed by what asking cost) and leave this request's there."""
-        self._recent_timings = recent.head_timings if recent is not None else None
+        self._recent_timings = recent.draft_timings if recent is not None else None
         if self._recent_timings is not None and not (self.seconds_per_token or self.seconds_per_ask):
             self.seconds_per_token, self.seconds_per_ask = self._recent_timings.get(self.head, (0.0, 0.0))
 

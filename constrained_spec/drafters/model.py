@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -29,6 +30,11 @@ class ModelDrafter(Drafter):
         self.device = next(model.parameters()).device
         self.cache: Any = None  # a transformers Cache
         self.cached_ids: list[int] = []
+        self.seconds = 0.0
+        self.seconds_per_token, self.seconds_per_ask = 0.0, 0.0
+        #: Where the last request's timings come from and this one's go (``set_recent_estimates``).
+        self._recent_timings: Any = None
+        self._fed_prompt = False
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Start a fresh cache for a new request: the kind a batch-invariant model names
@@ -37,6 +43,19 @@ class ModelDrafter(Drafter):
         new_cache = getattr(self.model, "new_cache", None)
         self.cache = new_cache() if callable(new_cache) else DynamicCache(config=self.model.config)
         self.cached_ids = []
+        self._fed_prompt = False
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent proposing (catching up on the context and drafting)."""
+        return {self.name: self.seconds}
+
+    def set_recent_estimates(self, recent: Any) -> None:
+        """Start from the timings the last request with this draft model left in ``recent`` (so
+        its first asks are priced by what asking cost, not by a head's prior) and leave this
+        request's there."""
+        self._recent_timings = recent.draft_timings if recent is not None else None
+        if self._recent_timings is not None and not (self.seconds_per_token or self.seconds_per_ask):
+            self.seconds_per_token, self.seconds_per_ask = self._recent_timings.get(self.model, (0.0, 0.0))
 
     def set_generator(self, generator: torch.Generator | None) -> None:
         """Sample from the request's generator, so ``seed=`` reproduces the draft too."""
@@ -67,6 +86,25 @@ class ModelDrafter(Drafter):
         """Sample up to ``k`` tokens from the masked draft law q."""
         if k <= 0:
             return self.empty(state)
+        t0 = time.perf_counter()
+        first = not self._fed_prompt
+        draft = self._propose(context, state, k)
+        spent = time.perf_counter() - t0
+        self.seconds += spent
+        # What the K policy weighs this drafter by (moving averages), as a head's: per drafted
+        # token and per ask, the tokens accepted since the last ask included (a draft asked
+        # rarely catches up on many); the request's first ask, which feeds the whole prompt, not.
+        self._fed_prompt = True
+        if not first:
+            self.seconds_per_ask = spent if not self.seconds_per_ask else 0.8 * self.seconds_per_ask + 0.2 * spent
+            if draft.tokens:
+                per = spent / len(draft.tokens)
+                self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
+            if self._recent_timings is not None:
+                self._recent_timings[self.model] = (self.seconds_per_token, self.seconds_per_ask)
+        return draft
+
+    def _propose(self, context: list[int], state: State, k: int) -> Draft:
         states = [state]
         tokens: list[int] = []
         qs: list[torch.Tensor] = []

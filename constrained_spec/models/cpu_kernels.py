@@ -44,6 +44,8 @@ KERNELS = Path(__file__).parent / "kernels"
 #: AVX-512 foundation, the byte/word, vector-length and dword subsets every kernel here uses.
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 _BASE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
+#: The CPU flags ``_BASE_FLAGS`` compile for, which every kernel needs whatever it uses.
+BASE_NEEDS = (*AVX512, "fma")
 #: Seconds a builder waits for another live process's build of the same kernel before it gives up
 #: and keeps torch's ops: a few times a build's length on a busy machine.
 BUILD_LOCK_TIMEOUT_S = 120.0
@@ -133,7 +135,10 @@ def _build(source: str, needs: tuple[str, ...], extra_flags: tuple[str, ...],
            lock_timeout: float) -> tuple[str, bool]:
     """``build``'s work, once a process: ("", False) once loaded, else why not and whether to
     warn whatever the caller asked."""
-    missing = [f for f in needs if f not in cpu_flags()]
+    # Every kernel is compiled with the AVX-512 base flags, so the compiler may vectorize any
+    # loop with them: a kernel that asks for no instruction set of its own still needs these
+    # (dense_blocks stopped a CPU without them with an illegal instruction at load).
+    missing = [f for f in dict.fromkeys((*BASE_NEEDS, *needs)) if f not in cpu_flags()]
     if missing:
         return f"needs {', '.join(missing)}, which this CPU lacks", False
     directory, library, lock = kernel_paths(source, extra_flags)

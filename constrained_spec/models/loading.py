@@ -541,11 +541,15 @@ def _make_invariant(model: Any, *, cuda_graphs: bool) -> None:
 @torch.no_grad()
 def warm_up(handle: ModelHandle) -> None:
     """One short forward right after loading, so the first request (and a draft model's first
-    proposal) does not pay for lazy allocations and kernel selection; and the thread governor's
-    first sample."""
+    proposal) does not pay for lazy allocations and kernel selection; the tokenizer's tables the
+    constraint backends compile over (read from disk where an earlier process stored them), so
+    the first schema compiles as fast as later ones; and the thread governor's first sample."""
     from transformers import DynamicCache
 
+    from ..constraint.tables import prepare_tables
     from .threads import thread_governor
+
+    prepare_tables(handle.tokenizer)
 
     ids = torch.tensor([[handle.tokenizer.eos_token_id or 0] * 4], device=handle.device)
     handle.model(input_ids=ids, cache=DynamicCache(config=handle.model.config), use_cache=True, logits_to_keep=1)

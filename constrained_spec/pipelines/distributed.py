@@ -10,7 +10,9 @@ and ``stats`` (JSON text).
 Resuming a killed job (``extract_to``/``--resume``): the ids already in the output folder are
 read first and skipped; a file left half-written by the kill is unreadable and removed, so its
 ids are done again. Ray Data's own checkpointing (``ray.data.checkpoint``) is alpha in the
-versions we test with and is not used.
+versions we test with and is not used. An output folder that already holds results is refused
+unless the run resumes them or replaces them (``overwrite``/``--overwrite``: its result files
+are removed first), so an earlier run's results are never mixed with or lost to a new one.
 """
 
 from __future__ import annotations
@@ -165,22 +167,54 @@ def done_ids(output: Path | str, fmt: str) -> set[str]:
     return ids
 
 
-def extract_to(input_path: Path | str, output: Path | str, schema: Any, *, fmt: str = "parquet", resume: bool = False,
-               **kwargs: Any) -> dict[str, int]:
-    """``extract_dataset`` from a file or folder to an output folder (``fmt`` "parquet" or
-    "jsonl"); with ``resume``, only ids not yet in the output. Returns counts."""
+#: The suffixes of the result files Ray Data writes (``write_parquet``, ``write_json``): what
+#: ``overwrite`` removes from an output folder.
+RESULT_SUFFIXES = (".parquet", ".json", ".jsonl")
+
+
+def check_output_folder(output: Path | str, fmt: str, *, resume: bool = False, overwrite: bool = False) -> None:
+    """Refuse an output that would mix or lose results, before anything runs: a format other
+    than parquet or jsonl, an output that is not a folder, ``resume`` with ``overwrite``, and a
+    folder that already holds something without one of them."""
     if fmt not in ("parquet", "jsonl"):
         raise InvalidOptionError(f"Invalid output format: expected 'parquet' or 'jsonl', got {fmt!r}.")
+    if resume and overwrite:
+        raise InvalidOptionError("Invalid options: --resume (continue the results in the output) and --overwrite "
+                                 "(replace them) cannot be used together; choose one.")
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise InvalidOptionError(f"Invalid output: {out} exists and is not a folder.")
-    if out.exists() and any(out.iterdir()) and not resume:
-        raise InvalidOptionError(f"Invalid output: {out} already holds results; pass --resume to continue them "
-                                 "or choose an empty folder.")
-    skip = done_ids(out, fmt) if resume else set()
+    if out.exists() and any(out.iterdir()) and not (resume or overwrite):
+        raise InvalidOptionError(f"Invalid output: {out} already holds results; pass --resume to continue them, "
+                                 "--overwrite to replace them (resume=True / overwrite=True in Python), or choose "
+                                 "an empty folder.")
+
+
+def prepare_output_folder(output: Path | str, fmt: str, *, resume: bool = False, overwrite: bool = False) -> set[str]:
+    """Check the output (``check_output_folder``), remove its result files with ``overwrite``
+    (files of other kinds stay), and return the ids already done (``done_ids``) with ``resume``."""
+    check_output_folder(output, fmt, resume=resume, overwrite=overwrite)
+    out = Path(output)
+    if overwrite and out.is_dir():
+        for f in out.iterdir():
+            if f.is_file() and not f.name.startswith(".") and f.suffix in RESULT_SUFFIXES:
+                f.unlink()
+    return done_ids(out, fmt) if resume else set()
+
+
+def extract_to(input_path: Path | str, output: Path | str, schema: Any, *, fmt: str = "parquet", resume: bool = False,
+               overwrite: bool = False, **kwargs: Any) -> dict[str, int]:
+    """``extract_dataset`` from a file or folder to an output folder (``fmt`` "parquet" or
+    "jsonl"); with ``resume``, only ids not yet in the output; with ``overwrite``, the output's
+    earlier result files are removed first (a folder holding anything is refused without one of
+    the two). Returns counts."""
+    out = Path(output)
+    check_output_folder(out, fmt, resume=resume, overwrite=overwrite)
     id_column = kwargs.get("id_column", "id")
     ds = read_input(input_path)
     total = ds.count()
+    # Only now, with the input read, are earlier results removed (overwrite) or read (resume).
+    skip = prepare_output_folder(out, fmt, resume=resume, overwrite=overwrite)
     if skip:
         import warnings
 

@@ -1,7 +1,9 @@
 """Extraction pipelines: one schema, many documents, typed records out.
 
 A document that fails (token limit, validation, a prompt too long) is recorded with its error
-kind and message and never stops the run; results come back in input order.
+kind and message and never stops the run; results come back in input order. An empty (or
+whitespace-only) document is such a failure, refused before any model work: the template around
+it is still a prompt, and the model would answer it with an invented record.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from ..api import generate_json, prepare_request, repetition_error, resolve_draft, submit_request, validate_json_output
-from ..constraint import JsonSchema, compile_constraint, load_schema
+from ..api import decoded_schema, generate_json, prepare_request, repetition_error, resolve_draft, submit_request, validate_json_output
+from ..constraint import JsonSchema, check_constraint, compile_constraint, load_schema
 from ..batching import BatchEngine, Request
 from ..decoding import DecodeStats, SpecOptions
-from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidSchemaError, TokenLimitError
+from ..errors import ConstrainedSpecError, InvalidOptionError, InvalidPromptError, InvalidSchemaError, TokenLimitError
 from ..models import resolve_model
 
 #: The prompt of each document. ``{fields}`` lists the schema's fields with their types and
@@ -56,6 +58,21 @@ class ExtractionResult:
         return {"id": self.id, "value": value, "stats": self.stats}
 
 
+def _error_result(doc_id: str, error: ConstrainedSpecError, stats: DecodeStats | None = None) -> ExtractionResult:
+    """A document's failure as its record: the error's kind (its class name) and message."""
+    return ExtractionResult(doc_id, error={"kind": type(error).__name__, "message": str(error)}, decode_stats=stats)
+
+
+def empty_document_error(doc_id: str, text: str) -> InvalidPromptError | None:
+    """The refusal of a document with nothing in it (empty or whitespace only), else None.
+
+    Checked on the document, not the prompt: the template's own words around an empty document
+    make a non-empty prompt, which the model would answer with an invented record."""
+    if text.strip():
+        return None
+    return InvalidPromptError(f"Invalid document {doc_id!r}: it is empty (or only whitespace); nothing to extract.")
+
+
 def describe_fields(schema: dict) -> str:
     """One line per top-level property: name, type, whether required, and its description."""
     props = schema.get("properties") or {}
@@ -82,9 +99,9 @@ def iter_documents(documents: Iterable[Any]) -> Iterator[tuple[str, str]]:
         elif isinstance(doc, dict):
             if "text" not in doc:
                 raise ValueError(f"Invalid document #{i}: expected a 'text' field, got keys {sorted(doc)}.")
-            yield str(doc.get("id", i)), str(doc["text"])
+            yield str(doc.get("id", i)), _text(doc["text"])
         elif isinstance(doc, tuple) and len(doc) == 2:
-            yield str(doc[0]), str(doc[1])
+            yield str(doc[0]), _text(doc[1])
         else:
             raise ValueError(f"Invalid document #{i}: expected a string, a dict with 'text', or (id, text).")
 
@@ -108,7 +125,12 @@ def read_documents(path: Path | str) -> Iterator[tuple[str, str]]:
                 raise ValueError(f"Invalid input: {path} line {n} is not JSON ({e}).") from None
             if not isinstance(record, dict) or "text" not in record:
                 raise ValueError(f"Invalid input: {path} line {n} needs an object with 'id' and 'text'.")
-            yield str(record.get("id", n)), str(record["text"])
+            yield str(record.get("id", n)), _text(record["text"])
+
+
+def _text(value: Any) -> str:
+    """A document's text; a missing one (None, JSON null) is empty, not the word "None"."""
+    return "" if value is None else str(value)
 
 
 def extract(
@@ -129,7 +151,9 @@ def extract(
 
     Args:
         schema: a pydantic model class (values come back as instances) or a JSON schema.
-        documents: texts, ``{"id", "text"}`` records or ``(id, text)`` pairs.
+        documents: texts, ``{"id", "text"}`` records or ``(id, text)`` pairs. An empty or
+            whitespace-only text yields an ``InvalidPromptError`` record naming its id, on every
+            path, before any model work (never a value the model invented).
         model: as in ``generate_json``; loaded once for the whole run.
         draft: as in ``generate_json``.
         prompt_template: ``str.format`` template with ``{text}``, ``{fields}``, ``{schema}``.
@@ -151,6 +175,9 @@ def extract(
     """
     opts = SpecOptions.build(options, **option_values)
     loaded = load_schema(schema)  # bad schemas fail here, before any document
+    # Unsupported or unsatisfiable too, before a model loads (wherever no vocabulary decides it).
+    check_constraint(decoded_schema(loaded, opts), kind="json", backend=opts.backend, lenient=opts.lenient,
+                     whitespace=opts.whitespace)
     _check_template_and_batch(prompt_template, batch_size)
     prompts, shared = _prompts(loaded, documents, prompt_template)
     if server is not None:
@@ -177,11 +204,13 @@ def _check_template_and_batch(prompt_template: str, batch_size: Any) -> None:
 
 
 def _prompts(loaded: JsonSchema, documents: Iterable[Any],
-             prompt_template: str) -> tuple[Iterator[tuple[str, str]], str | None]:
-    """(each document's id and prompt, read lazily; every prompt's shared prefix, or None)."""
+             prompt_template: str) -> tuple[Iterator[tuple[str, str | InvalidPromptError]], str | None]:
+    """(each document's id and prompt, or the refusal of an empty one, read lazily; every
+    prompt's shared prefix, or None)."""
     fields = describe_fields(loaded.schema)
     schema_text = json.dumps(loaded.schema)
-    prompts = ((doc_id, prompt_template.format(text=text, fields=fields, schema=schema_text))
+    prompts = ((doc_id, empty_document_error(doc_id, text)
+                or prompt_template.format(text=text, fields=fields, schema=schema_text))
                for doc_id, text in iter_documents(documents))
     # The template's text before the document is every prompt's shared prefix: computed once,
     # then reused from the prefix cache (decoding.prefix).
@@ -190,26 +219,29 @@ def _prompts(loaded: JsonSchema, documents: Iterable[Any],
     return prompts, shared
 
 
-def _extract_one_by_one(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, draft: Any,
-                        opts: SpecOptions, shared: str | None) -> Iterator[ExtractionResult]:
+def _extract_one_by_one(loaded: JsonSchema, prompts: Iterable[tuple[str, str | InvalidPromptError]], handle: Any,
+                        draft: Any, opts: SpecOptions, shared: str | None) -> Iterator[ExtractionResult]:
     """Every document alone through ``generate_json``; a document that fails yields its error."""
     for doc_id, prompt in prompts:
+        if isinstance(prompt, InvalidPromptError):
+            yield _error_result(doc_id, prompt)
+            continue
         try:
             value, stats = generate_json(handle, loaded, prompt, draft=draft or False, options=opts, return_stats=True,
                                          shared_prefix=shared)
         except InvalidSchemaError:
             raise
         except ConstrainedSpecError as e:
-            yield ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
+            yield _error_result(doc_id, e)
             continue
         yield ExtractionResult(doc_id, value=value, stats=_brief(stats), decode_stats=stats)
 
 
-def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], handle: Any, draft: Any,
-                     opts: SpecOptions, shared: str | None, engine: BatchEngine) -> Iterator[ExtractionResult]:
+def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str | InvalidPromptError]], handle: Any,
+                     draft: Any, opts: SpecOptions, shared: str | None, engine: BatchEngine) -> Iterator[ExtractionResult]:
     """Every document through ``engine``, ``max_batch`` rows at once; documents are read as
     slots free up (at most ``max_batch`` wait), results come out in input order."""
-    compiled = compile_constraint(loaded, handle.tokenizer, kind="json", backend=opts.backend,  # type: ignore[arg-type]
+    compiled = compile_constraint(decoded_schema(loaded, opts), handle.tokenizer, kind="json", backend=opts.backend,  # type: ignore[arg-type]
                                   lenient=opts.lenient, whitespace=opts.whitespace)
     batch_size = engine.max_batch
     order: deque[tuple[str, Request | ExtractionResult]] = deque()
@@ -222,10 +254,13 @@ def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], han
                 more = False
                 break
             doc_id, prompt = item
+            if isinstance(prompt, InvalidPromptError):
+                order.append((doc_id, _error_result(doc_id, prompt)))
+                continue
             try:
                 parts = prepare_request(handle, draft, compiled, prompt, opts, "json", shared)
             except ConstrainedSpecError as e:
-                order.append((doc_id, ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})))
+                order.append((doc_id, _error_result(doc_id, e)))
                 continue
             req = submit_request(engine, parts, opts)
             order.append((doc_id, req))
@@ -239,7 +274,8 @@ def _extract_batched(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], han
         engine.step()
 
 
-def _extract_remote(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], url: str, api_key: str | None,
+def _extract_remote(loaded: JsonSchema, prompts: Iterable[tuple[str, str | InvalidPromptError]], url: str,
+                    api_key: str | None,
                     in_flight: int, opts: SpecOptions) -> Iterator[ExtractionResult]:
     """Every document as a request to a running server, ``in_flight`` at once, in input order."""
     from concurrent.futures import ThreadPoolExecutor
@@ -248,8 +284,10 @@ def _extract_remote(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], url:
 
     constraint = remote.json_constraint(loaded.schema, opts.lenient)
 
-    def one(item: tuple[str, str]) -> ExtractionResult:
+    def one(item: tuple[str, str | InvalidPromptError]) -> ExtractionResult:
         doc_id, prompt = item
+        if isinstance(prompt, InvalidPromptError):  # never sent: the server would answer the template
+            return _error_result(doc_id, prompt)
         body = remote.chat_body(prompt, constraint=constraint, temperature=opts.temperature, seed=opts.seed,
                                 max_new_tokens=opts.max_new_tokens, drafter=opts.drafter, k_max=opts.k_max,
                                 adaptive=opts.adaptive, stream=False)
@@ -260,7 +298,7 @@ def _extract_remote(loaded: JsonSchema, prompts: Iterable[tuple[str, str]], url:
         except remote.RemoteError:
             raise  # the server, not the document: stop the run
         except ConstrainedSpecError as e:
-            return ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)})
+            return _error_result(doc_id, e)
         seconds = time.perf_counter() - t0
         ext, tokens = reply.get("constrained_spec", {}), reply["usage"]["completion_tokens"]
         return ExtractionResult(doc_id, value=value, stats={
@@ -287,7 +325,7 @@ def _engine_result(doc_id: str, req: Request, handle: Any, loaded: JsonSchema, o
             raise TokenLimitError(text, opts.max_new_tokens)
         value = validate_json_output(text, loaded)
     except ConstrainedSpecError as e:
-        return ExtractionResult(doc_id, error={"kind": type(e).__name__, "message": str(e)}, decode_stats=res.stats)
+        return _error_result(doc_id, e, res.stats)
     return ExtractionResult(doc_id, value=value, stats=_brief(res.stats), decode_stats=res.stats)
 
 

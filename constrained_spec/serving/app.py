@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -105,8 +106,9 @@ def _add_info_routes(app: FastAPI, server: _Server) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": handle.name, "object": "model", "created": 0,
-                                            "owned_by": "constrained-spec", "precision": handle.precision}]}
+        return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": 0,
+                                            "owned_by": "constrained-spec", "precision": handle.precision,
+                                            "description": handle.name}]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -131,7 +133,10 @@ class _Server:
 
     def __init__(self, handle: ModelHandle, base: SpecOptions, draft_source: Any, cfg: ServerConfig) -> None:
         self.handle, self.base, self.draft_source, self.cfg = handle, base, draft_source, cfg
-        self.model_ids = {handle.name, "default"}
+        #: What ``/v1/models`` lists and replies name; a request's ``model`` may also be the
+        #: handle's display name or "default".
+        self.model_id = model_id(handle)
+        self.model_ids = {self.model_id, handle.name, "default"}
         #: The engine's thread; None until the app starts.
         self.worker: EngineWorker | None = None
         self.metrics = ServerMetrics(queue_depth=lambda: self.worker.waiting if self.worker else 0,
@@ -161,14 +166,15 @@ class _Server:
             raise ApiError(400, f"The constraint did not compile within {self.cfg.compile_timeout:g} s.",
                            param=spec.param, code="compile_timeout") from None
         except ConstrainedSpecError as e:
-            raise ApiError(400, str(e), param=spec.param, code="invalid_constraint") from None
+            raise ApiError(400, in_server_terms(str(e), spec), param=spec.param, code="invalid_constraint") from None
 
     async def start(self, request: Request, parsed: Parsed) -> tuple[Job, CheckedConstraint, int]:
         """Check the request, compile its constraint, encode its prompt and queue it on the engine."""
         handle, cfg = self.handle, self.cfg
         if parsed.model is not None and parsed.model not in self.model_ids:
             raise ApiError(404, f"The model '{parsed.model}' is not served here; this server serves "
-                                f"'{handle.name}' (GET /v1/models).", param="model", code="model_not_found")
+                                f"'{self.model_id}' (GET /v1/models; 'default' names it too).", param="model",
+                           code="model_not_found")
         entry = await self.compile_for(parsed.constraint)
         try:
             ids = encode_chat(handle, parsed.messages) if parsed.messages is not None else encode_text(handle, parsed.prompt or "")
@@ -224,7 +230,7 @@ class _Server:
         t0 = time.perf_counter()
         parsed = parse_body(await _read_body(request), kind)  # type: ignore[arg-type]
         job, entry, prompt_tokens = await self.start(request, parsed)
-        run = _Run(job, entry, parsed, self.handle, prompt_tokens, kind, t0)
+        run = _Run(job, entry, parsed, self.handle, prompt_tokens, kind, t0, self.model_id)
         if parsed.stream:
             return self.streamed(run, request.url.path)
         try:
@@ -307,6 +313,36 @@ class _ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
+def model_id(handle: ModelHandle) -> str:
+    """The model's short, stable id: its display name without the parenthesised precision and
+    kernels ("SmolLM2-135M-Instruct (native Q4_1)" -> "SmolLM2-135M-Instruct"), a local folder's
+    or file's last component rather than its whole path; "default" when that leaves nothing."""
+    base = handle.name.split(" (", 1)[0].strip()
+    if os.sep in base and os.path.exists(base):  # a path on this machine: its name, not where it lies
+        base = os.path.basename(base.rstrip(os.sep))
+    return base or "default"
+
+
+#: How a request asks for what Python calls ``lenient=True`` (``protocol._constraint`` maps it).
+_STRICT_FALSE = '"strict": false'
+
+
+def in_server_terms(message: str, spec: ConstraintSpec) -> str:
+    """A refusal of ``spec``'s constraint said in this server's fields rather than Python's: the
+    constraint package names the option ``lenient=True``, which a request asks for with
+    ``"strict": false`` in ``response_format.json_schema`` (``structured_outputs.json`` has no
+    such switch), and where Python raises ``OutputValidationError`` the server withholds the
+    output with a 500 ``output_invalid``."""
+    if spec.param == "response_format.json_schema.schema":
+        would = f"{_STRICT_FALSE} in response_format.json_schema would compile it"
+    else:
+        would = f"Sending the schema as response_format.json_schema with {_STRICT_FALSE} would compile it"
+    message = message.replace("lenient=True would compile it", would)
+    message = message.replace("(an output that breaks it is an OutputValidationError)",
+                              "(an output that breaks it is withheld with a 500, code output_invalid)")
+    return message.replace("lenient=True", _STRICT_FALSE)
+
+
 def _compile(spec: ConstraintSpec, handle: ModelHandle, base: SpecOptions, limits: ConstraintLimits) -> CheckedConstraint:
     """A request's constraint (the backend refuses one that matches nothing, the limits one that
     would cost too much) and the final check of its output, from the one compiled-constraint cache."""
@@ -319,8 +355,10 @@ class _Run:
     """One request's events turned into an OpenAI response (whole, or as stream chunks)."""
 
     def __init__(self, job: Job, entry: CheckedConstraint, parsed: Parsed, handle: ModelHandle, prompt_tokens: int,
-                 kind: str, t0: float) -> None:
+                 kind: str, t0: float, model: str) -> None:
         self.job, self.entry, self.parsed, self.handle = job, entry, parsed, handle
+        #: The model's id in replies: what ``/v1/models`` lists (``model_id``).
+        self.model = model
         self.prompt_tokens = prompt_tokens
         self.kind = kind
         self.t0 = t0
@@ -452,7 +490,7 @@ class _Run:
         else:
             choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.handle.name, "choices": [choice]}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
     def _body(self, text: str) -> dict[str, Any]:
         if self.kind == "chat":
@@ -462,7 +500,7 @@ class _Run:
         else:
             choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.handle.name, "choices": [choice],
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self._usage(), "constrained_spec": self._extension()}
 
     def _usage(self) -> dict[str, int]:

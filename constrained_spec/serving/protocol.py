@@ -4,7 +4,8 @@ Fail closed: every object is parsed with unknown fields forbidden, so a constrai
 server does not know (``guided_json``, a misspelt ``json_schema`` key, a schema one level too
 high in ``response_format``) is refused with HTTP 400 naming it, never ignored. Options that
 would change the output law in a way the exact verifier cannot honour (``top_p`` < 1, penalties,
-``n`` > 1, logprobs) are refused the same way.
+``n`` > 1, logprobs) are refused the same way, and so is an empty (or whitespace-only) user
+message or prompt, which the model would otherwise answer with invented content.
 """
 
 from __future__ import annotations
@@ -225,6 +226,13 @@ def _check(req: ChatRequest | CompletionRequest) -> Parsed:
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
                     for m in req.messages]
+        for i, m in enumerate(messages):
+            # The chat template around an empty turn is still a prompt, and the model would answer
+            # it with invented content; refuse it as generate_json refuses an empty prompt.
+            if m["role"] == "user" and not m["content"].strip():
+                raise ApiError(400, f"Invalid 'messages[{i}].content': the user message is empty (or only "
+                                    "whitespace); there is nothing to answer.", param=f"messages[{i}].content",
+                               code="empty_prompt")
     else:
         if isinstance(req.prompt, list):
             if len(req.prompt) != 1:
@@ -233,8 +241,9 @@ def _check(req: ChatRequest | CompletionRequest) -> Parsed:
             prompt = req.prompt[0]
         else:
             prompt = req.prompt
-        if not prompt:
-            raise ApiError(400, "Invalid 'prompt': it is empty.", param="prompt")
+        if not prompt.strip():
+            raise ApiError(400, "Invalid 'prompt': it is empty (or only whitespace); there is nothing to complete.",
+                           param="prompt", code="empty_prompt")
     spec = req.speculative.model_dump(exclude_none=True) if req.speculative else {}
     return Parsed(constraint, req.model, messages, prompt, float(req.temperature if req.temperature is not None else 1.0),
                   req.seed, max_tokens, req.stream, bool(req.stream_options and req.stream_options.include_usage),
