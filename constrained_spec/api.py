@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from .constraint import CompiledConstraint, JsonSchema, Matcher, check_constraint, compile_constraint, load_schema
-from .constraint.schema import close_objects
+from .constraint.schema import closed_schema
 from .constraint.validator import compiled_pattern, output_validator
 from .decoding import DecodeStats, KPolicy, SpecOptions, SpeculativeDecoder, prefix_cache_for, recent_estimates
 from .decoding.prefix import MIN_PREFIX, shared_prefix_length
@@ -344,7 +344,7 @@ def generate_json(
 def decoded_schema(loaded: JsonSchema, opts: SpecOptions) -> JsonSchema:
     """The schema a request decodes with: ``loaded`` with its objects closed to their declared
     keys where ``opts.closed`` (outputs are still validated against ``loaded`` as written)."""
-    return loaded._replace(schema=close_objects(loaded.schema)) if opts.closed else loaded
+    return closed_schema(loaded, opts.closed)
 
 
 def validate_json_output(text: str, schema: dict | JsonSchema, model_cls: type | None = None) -> Any:

@@ -53,15 +53,13 @@ def json_cmd(
             max_new_tokens=max_new_tokens, drafter=drafter, k_max=k_max, adaptive=adaptive))
         return
     def run() -> None:
-        from ..constraint import check_constraint
-
-        from ..constraint import load_schema
-        from ..constraint.schema import close_objects
+        from ..constraint import check_constraint, load_schema
+        from ..constraint.schema import closed_schema
 
         target = load_schema(_schema_arg(schema))
         # First, before the models' libraries import and --dtype / --precision load the model.
-        check_constraint(target._replace(schema=close_objects(target.schema)) if closed else target, kind="json",
-                         backend=backend, lenient=lenient, whitespace=whitespace)
+        check_constraint(closed_schema(target, closed), kind="json", backend=backend, lenient=lenient,
+                         whitespace=whitespace)
         options = _options(drafter=drafter, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
                            k_max=k_max, profile=profile, adaptive=adaptive, backend=backend, lenient=lenient,
                            whitespace=whitespace, closed=closed)

@@ -154,6 +154,12 @@ def _combines(node: dict) -> bool:
     return len(applied) > 1 or bool(applied and any(k in node for k in _OBJECT_KEYWORDS))
 
 
+def closed_schema(loaded: JsonSchema, closed: bool = True) -> JsonSchema:
+    """``loaded`` with its objects closed to their declared keys (``close_objects``) where
+    ``closed``, else as it is: the schema a request decodes with (``SpecOptions.closed``)."""
+    return loaded._replace(schema=close_objects(loaded.schema)) if closed else loaded
+
+
 def close_objects(schema: dict) -> dict:
     """A copy of ``schema`` in which every object that lists its ``properties`` and says nothing
     of others (no ``additionalProperties``), and requires no key it does not declare, takes none

@@ -131,6 +131,30 @@ class Drafter:
         """Seconds spent drafting, per kind, for drafters that time themselves."""
         return {}
 
+    #: Where a costly drafter's timings of the last request come from and this one's go
+    #: (``RecentEstimates.draft_timings``; set by ``adopt_recent_timings``).
+    _recent_timings: Any = None
+
+    def adopt_recent_timings(self, recent: Any, key: Any) -> None:
+        """For a costly drafter (a head, a draft model): start from the timings the last request
+        with ``key`` (its head or model) left in ``recent``, so its first asks are priced by
+        what asking cost, and leave this request's there (``record_ask``)."""
+        self._recent_timings = recent.draft_timings if recent is not None else None
+        if self._recent_timings is not None and not (self.seconds_per_token or self.seconds_per_ask):
+            self.seconds_per_token, self.seconds_per_ask = self._recent_timings.get(key, (0.0, 0.0))
+
+    def record_ask(self, key: Any, spent: float, tokens: int, *, per_ask: bool, keep: bool) -> None:
+        """Fold one ask's ``spent`` seconds into the moving averages the K policy prices a costly
+        drafter by: per ask where ``per_ask``, per drafted token where it drafted ``tokens``;
+        with ``keep`` leave them under ``key`` for the next request."""
+        if per_ask:
+            self.seconds_per_ask = spent if not self.seconds_per_ask else 0.8 * self.seconds_per_ask + 0.2 * spent
+        if tokens:
+            per = spent / tokens
+            self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
+        if keep and self._recent_timings is not None:
+            self._recent_timings[key] = (self.seconds_per_token, self.seconds_per_ask)
+
     def set_recent_estimates(self, recent: Any) -> None:
         """What past requests measured (``decoding.estimates.RecentEstimates``; None: nothing):
         a drafter that times itself starts from its last request's timings there and leaves its

@@ -302,8 +302,6 @@ class HeadDrafter(Drafter):
         self.taps = head.config.taps
         self.seconds = 0.0
         self.seconds_per_token, self.seconds_per_ask = 0.0, 0.0
-        #: Where the last request's timings come from and this one's go (``set_recent_estimates``).
-        self._recent_timings: Any = None
         self._t_synced = 0.0
         self._fed_prompt = False
         self._ran = False
@@ -348,9 +346,7 @@ class HeadDrafter(Drafter):
     def set_recent_estimates(self, recent: Any) -> None:
         """Start from the timings the last request with this head left in ``recent`` (so its
         first asks are weighed by what asking cost) and leave this request's there."""
-        self._recent_timings = recent.draft_timings if recent is not None else None
-        if self._recent_timings is not None and not (self.seconds_per_token or self.seconds_per_ask):
-            self.seconds_per_token, self.seconds_per_ask = self._recent_timings.get(self.head, (0.0, 0.0))
+        self.adopt_recent_timings(recent, self.head)
 
     def set_estimates(self, estimates: Estimates | None) -> None:
         """Drafting alone, gate each token on the K policy's estimate at its confidence."""
@@ -454,13 +450,8 @@ class HeadDrafter(Drafter):
         # head asked rarely catches up on many), the prompt's own pairs not: they are fed once,
         # at a request's first proposal, whatever follows.
         spent = t2 - (self._t_synced if self._fed_prompt else t0)
-        if self._ran and not self._fed_prompt:
-            self.seconds_per_ask = spent if not self.seconds_per_ask else 0.8 * self.seconds_per_ask + 0.2 * spent
-        if draft.tokens:
-            per = spent / len(draft.tokens)
-            self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
-        if self._ran and self._recent_timings is not None:
-            self._recent_timings[self.head] = (self.seconds_per_token, self.seconds_per_ask)
+        self.record_ask(self.head, spent, len(draft.tokens), per_ask=self._ran and not self._fed_prompt,
+                        keep=self._ran)
         return draft
 
     def _propose(self, context: list[int], state: State, k: int, gate: DraftGate | None) -> Draft:

@@ -32,8 +32,6 @@ class ModelDrafter(Drafter):
         self.cached_ids: list[int] = []
         self.seconds = 0.0
         self.seconds_per_token, self.seconds_per_ask = 0.0, 0.0
-        #: Where the last request's timings come from and this one's go (``set_recent_estimates``).
-        self._recent_timings: Any = None
         self._fed_prompt = False
 
     def reset(self, prompt_ids: list[int]) -> None:
@@ -53,9 +51,7 @@ class ModelDrafter(Drafter):
         """Start from the timings the last request with this draft model left in ``recent`` (so
         its first asks are priced by what asking cost, not by a head's prior) and leave this
         request's there."""
-        self._recent_timings = recent.draft_timings if recent is not None else None
-        if self._recent_timings is not None and not (self.seconds_per_token or self.seconds_per_ask):
-            self.seconds_per_token, self.seconds_per_ask = self._recent_timings.get(self.model, (0.0, 0.0))
+        self.adopt_recent_timings(recent, self.model)
 
     def set_generator(self, generator: torch.Generator | None) -> None:
         """Sample from the request's generator, so ``seed=`` reproduces the draft too."""
@@ -96,12 +92,7 @@ class ModelDrafter(Drafter):
         # rarely catches up on many); the request's first ask, which feeds the whole prompt, not.
         self._fed_prompt = True
         if not first:
-            self.seconds_per_ask = spent if not self.seconds_per_ask else 0.8 * self.seconds_per_ask + 0.2 * spent
-            if draft.tokens:
-                per = spent / len(draft.tokens)
-                self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
-            if self._recent_timings is not None:
-                self._recent_timings[self.model] = (self.seconds_per_token, self.seconds_per_ask)
+            self.record_ask(self.model, spent, len(draft.tokens), per_ask=True, keep=True)
         return draft
 
     def _propose(self, context: list[int], state: State, k: int) -> Draft:
