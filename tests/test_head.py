@@ -541,7 +541,7 @@ def test_the_hybrid_gates_its_head_and_the_head_alone_gates_itself(setup, monkey
 
     _, compiled, target, head = setup
     orders = {"FixedK": {}, "Shut": {"costly_gate": lambda self, *args: (lambda c: False)},
-              "NotAsked": {"worth_asking": lambda self, *args: False}}
+              "NotAsked": {"worth_asking": lambda self, *args, **kwargs: False}}
     prompt = [6, 6, 6, 1]  # lookup has nothing here: the head is asked
     ref = decode(target, compiled.matcher(), prompt, max_new_tokens=16)
     drafted, ran = {}, {}

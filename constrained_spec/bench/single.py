@@ -138,6 +138,15 @@ class ConfigFigures:
         """Output tokens per wall-clock second (prefill included)."""
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
+    def draft_ms_per_token(self, kinds: dict[str, dict[str, int]]) -> float | None:
+        """Milliseconds per drafted token of the costly drafters (a draft model, a head) in
+        ``kinds``, their catch-up on the context included; None without one."""
+        costly = [k for k in ("model", "head") if k in kinds and self.draft_seconds_by_kind.get(k)]
+        if not costly:
+            return None
+        seconds = sum(self.draft_seconds_by_kind[k] for k in costly)
+        return round(1000 * seconds / sum(kinds[k]["drafted"] for k in costly), 2)
+
     def summary(self, baseline: "ConfigFigures") -> dict[str, Any]:
         """The row printed and written with ``--json``."""
         tps = self.tokens_per_second
@@ -162,8 +171,7 @@ class ConfigFigures:
             "constraint_share_of_step": round(self.constraint_seconds / self.step_seconds, 4) if self.step_seconds else None,
             "head_acceptance_by_position": [round(a / n, 3) for n, a in self.per_position.get("head", []) if n][:6]
             or None,
-            "head_ms_per_draft_token": round(1000 * self.draft_seconds_by_kind["head"] / kinds["head"]["drafted"], 2)
-            if "head" in kinds and self.draft_seconds_by_kind.get("head") else None,
+            "draft_ms_per_token": self.draft_ms_per_token(kinds),
             "identical_outputs": f"{self.identical}/{self.prompts}",
             "field_accuracy": f"{self.fields_right}/{self.fields_total}" if self.fields_total else None,
         }
@@ -479,12 +487,12 @@ def _summary_rows(figures: dict[str, ConfigFigures], baseline: ConfigFigures,
         for row, fig in zip(rows, figures.values()):
             row["same_as_first_precision"] = f"{sum(a == b for a, b in zip(fig.outputs, baseline.outputs))}/{fig.prompts}"
     rows += [row.summary(baseline) for _, row in references.values()]
-    # A one-token target step (target-only, after each prompt's pass): what a head token's cost is weighed against.
+    # A one-token target step (target-only, after each prompt's pass): what a draft token's cost is weighed against.
     steps = [t for st in baseline.traces for t in st.step_seconds[1:]]
     one_step_ms = 1000 * float(np.median(steps)) if steps else None
     for row in rows:
-        ms = row.get("head_ms_per_draft_token")
-        row["head_cost_vs_target_step"] = round(ms / one_step_ms, 3) if ms and one_step_ms else None
+        ms = row.get("draft_ms_per_token")
+        row["draft_cost_vs_target_step"] = round(ms / one_step_ms, 3) if ms and one_step_ms else None
     return rows, one_step_ms
 
 

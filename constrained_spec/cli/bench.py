@@ -66,13 +66,24 @@ def _single(*, prompts: Optional[Path], limit: Optional[int], model: Optional[st
             "target_forwards_per_token": "fwd/token", "acceptance_by_kind": "accepted by kind",
             "constraint_ms_per_token_p50": "constraint ms/tok p50", "constraint_ms_per_token_p99": "p99",
             "constraint_share_of_step": "share", "head_acceptance_by_position": "head accepted by position",
-            "head_cost_vs_target_step": "head cost", "identical_outputs": "identical",
+            "draft_cost_vs_target_step": "draft cost", "identical_outputs": "identical",
             "field_accuracy": "fields right"}
     if several:
         cols["same_as_first_precision"] = f"= {several[0]} target-only"
+    _print_rows(table, report["rows"], cols)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2, default=str))
+        err.print(f"figures written to {json_out}")
+    if plot:
+        err.print(f"plot written to {plot_trace(report, plot)}")
+
+
+def _print_rows(table: Table, rows: list[dict[str, Any]], cols: dict[str, str]) -> None:
+    """Print ``rows`` in ``table`` under ``cols`` (key -> header): dicts as "key value" pairs,
+    lists as values, missing as "-"."""
     for c, header in cols.items():
         table.add_column(header, justify="left" if c in ("config", "acceptance_by_kind") else "right", no_wrap=True)
-    for row in report["rows"]:
+    for row in rows:
         cells = []
         for c in cols:
             v = row.get(c)
@@ -83,11 +94,29 @@ def _single(*, prompts: Optional[Path], limit: Optional[int], model: Optional[st
             cells.append("-" if v is None else str(v))
         table.add_row(*cells)
     Console(width=max(180, Console().width)).print(table)
+
+
+def _drafts(*, model: Optional[str], drafts: str, prompts: Optional[Path], workload: str, limit: Optional[int],
+            max_new_tokens: int, llama_cpp: bool, json_out: Optional[Path]) -> None:
+    """Each draft candidate alone and inside auto (``bench.drafts``)."""
+    from ..bench.drafts import parse_candidates, run_drafts_bench
+    from ..bench.single import DEFAULT_PROMPTS
+
+    candidates = parse_candidates(drafts, model)
+    report = run_drafts_bench(model, candidates, prompts=prompts or DEFAULT_PROMPTS, workload=workload, limit=limit,
+                              max_new_tokens=max_new_tokens, llama_cpp=llama_cpp,
+                              progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))
+    table = Table(title=f"{report['model']}: {report['prompts']} {workload} prompts, greedy, "
+                        f"{max_new_tokens} tokens at most")
+    _print_rows(table, report["rows"], {
+        "config": "config", "tokens_per_second": "tok/s", "speedup_vs_target_only": "vs target-only",
+        "vs_auto_alone": "vs auto alone", "acceptance_by_kind": "accepted by kind",
+        "draft_ms_per_token": "draft ms/token", "draft_cost_vs_target_step": "vs a target step",
+        "identical_outputs": "identical"})
+    Console().print(report["verdict"])
     if json_out:
         json_out.write_text(json.dumps(report, indent=2, default=str))
         err.print(f"figures written to {json_out}")
-    if plot:
-        err.print(f"plot written to {plot_trace(report, plot)}")
 
 
 def _batch(*, sizes: str, model: Optional[str], dtype: Optional[str], precision: Optional[str],
@@ -433,6 +462,25 @@ def profile_cmd(
     Example: constrained-spec bench profile --precision native
     """
     _run_guarded(lambda: _profile(model=model, dtype=dtype, precision=precision, ks_text=ks, json_out=json_out))
+
+
+@bench_app.command("drafts")
+def drafts_cmd(
+    drafts: str = typer.Option(..., "--draft", help="Comma-separated candidates: draft models (GGUF files or ids, the target's tokenizer) and heads ('head': the target's own; or a directory from train-drafter)."),
+    model: Optional[str] = ModelOpt,
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {id, schema, prompt}: your own prompts; default: the extraction prompts shipped in the package."),
+    workload: str = typer.Option("extraction", "--workload", help="extraction (--prompts) or generation (example objects for held-out Glaiveai2K schemas)."),
+    limit: Optional[int] = LimitOpt,
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    llama_cpp: bool = LlamaCppOpt,
+    json_out: Optional[Path] = JsonOpt,
+) -> None:
+    """Which draft to use: each candidate alone and inside auto, against target-only, auto alone and llama.cpp, with each draft's cost per drafted token and a verdict.
+
+    Example: constrained-spec bench drafts --model target.gguf --draft draft.gguf --workload generation --limit 10
+    """
+    _run_guarded(lambda: _drafts(model=model, drafts=drafts, prompts=prompts, workload=workload, limit=limit,
+                                 max_new_tokens=max_new_tokens, llama_cpp=llama_cpp, json_out=json_out))
 
 
 @bench_app.command("documents")

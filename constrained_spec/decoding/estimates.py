@@ -24,16 +24,20 @@ class RecentEstimates:
         alpha: per history key, the acceptance estimate per alpha key ("copy", "copy+", ...).
         curve: per cost key, the verify-cost curve's (shape, r).
         confidence: per history key, the acceptance per (alpha key, confidence bucket).
-        ask_gain: per history key, the accepted tokens per ask of each costly kind.
+        ask_gain: per history key, the accepted tokens per ask of each costly kind (and region:
+            ``drafters.order.ask_key``).
+        ask_chances: per history key, the mean chances a request had to ask each costly kind
+            per region (what a draft model's prompt pass is weighed against).
         draft_timings: per costly draft (a head, a draft model), its (seconds per drafted token,
-            seconds per ask).
+            seconds per ask, seconds per context token of a prompt's catch-up).
     """
 
     alpha: dict[str, dict[str, float]] = field(default_factory=dict)
     curve: dict[str, tuple[str, float]] = field(default_factory=dict)
     confidence: dict[str, dict[tuple[str, int], float]] = field(default_factory=dict)
     ask_gain: dict[str, dict[str, float]] = field(default_factory=dict)
-    draft_timings: "weakref.WeakKeyDictionary[Any, tuple[float, float]]" = field(
+    ask_chances: dict[str, dict[str, float]] = field(default_factory=dict)
+    draft_timings: "weakref.WeakKeyDictionary[Any, tuple[float, float, float]]" = field(
         default_factory=weakref.WeakKeyDictionary)
 
 

@@ -123,6 +123,9 @@ class Drafter:
     seconds_per_token: float = 0.0
     #: Measured seconds per ask of such a drafter, refused asks included (0: unknown).
     seconds_per_ask: float = 0.0
+    #: Measured seconds per context token such a drafter feeds catching up on a request's prompt
+    #: at its first ask (a draft model's prompt pass; 0: nothing to catch up, or unknown).
+    seconds_per_context_token: float = 0.0
     #: Whether it can continue a proposal other drafters began (a learned head cannot: it drafts
     #: from the target's features, which the tokens drafted before it in the step do not have).
     follows_others: bool = True
@@ -135,25 +138,35 @@ class Drafter:
     #: (``RecentEstimates.draft_timings``; set by ``adopt_recent_timings``).
     _recent_timings: Any = None
 
+    def catch_up_seconds(self, context: Sequence[int]) -> float:
+        """What catching up on ``context`` would cost this drafter beyond an ordinary ask: a
+        draft model's prompt pass before its first ask of a request (0: nothing to catch up, or
+        not yet timed)."""
+        return 0.0
+
     def adopt_recent_timings(self, recent: Any, key: Any) -> None:
         """For a costly drafter (a head, a draft model): start from the timings the last request
         with ``key`` (its head or model) left in ``recent``, so its first asks are priced by
         what asking cost, and leave this request's there (``record_ask``)."""
         self._recent_timings = recent.draft_timings if recent is not None else None
         if self._recent_timings is not None and not (self.seconds_per_token or self.seconds_per_ask):
-            self.seconds_per_token, self.seconds_per_ask = self._recent_timings.get(key, (0.0, 0.0))
+            self.seconds_per_token, self.seconds_per_ask, self.seconds_per_context_token = (
+                self._recent_timings.get(key, (0.0, 0.0, 0.0)))
 
-    def record_ask(self, key: Any, spent: float, tokens: int, *, per_ask: bool, keep: bool) -> None:
+    def record_ask(self, key: Any, spent: float, tokens: int, *, per_ask: bool, keep: bool,
+                   caught_up: tuple[int, float] | None = None) -> None:
         """Fold one ask's ``spent`` seconds into the moving averages the K policy prices a costly
-        drafter by: per ask where ``per_ask``, per drafted token where it drafted ``tokens``;
-        with ``keep`` leave them under ``key`` for the next request."""
+        drafter by: per ask where ``per_ask``, per drafted token where it drafted ``tokens``, and
+        per context token from ``caught_up`` (the tokens and seconds of a prompt's catch-up, not
+        part of ``spent``); with ``keep`` leave them under ``key`` for the next request."""
         if per_ask:
-            self.seconds_per_ask = spent if not self.seconds_per_ask else 0.8 * self.seconds_per_ask + 0.2 * spent
+            self.seconds_per_ask = _moving(self.seconds_per_ask, spent)
         if tokens:
-            per = spent / tokens
-            self.seconds_per_token = per if not self.seconds_per_token else 0.8 * self.seconds_per_token + 0.2 * per
+            self.seconds_per_token = _moving(self.seconds_per_token, spent / tokens)
+        if caught_up is not None and caught_up[0] > 0:
+            self.seconds_per_context_token = _moving(self.seconds_per_context_token, caught_up[1] / caught_up[0])
         if keep and self._recent_timings is not None:
-            self._recent_timings[key] = (self.seconds_per_token, self.seconds_per_ask)
+            self._recent_timings[key] = (self.seconds_per_token, self.seconds_per_ask, self.seconds_per_context_token)
 
     def set_recent_estimates(self, recent: Any) -> None:
         """What past requests measured (``decoding.estimates.RecentEstimates``; None: nothing):
@@ -188,6 +201,11 @@ class Drafter:
     def empty(self, state: State) -> Draft:
         """A proposal of no tokens."""
         return Draft([], [state], None, self.name)
+
+
+def _moving(average: float, value: float) -> float:
+    """One more ``value`` in a drafter's moving average of a timing (0: none yet)."""
+    return value if not average else 0.8 * average + 0.2 * value
 
 
 def cut_to_constraint(matcher: Matcher, state: State, tokens: Sequence[int]) -> list[State]:

@@ -11,7 +11,7 @@ from ..constraint import Matcher, State
 from .base import Draft, Drafter, DraftKind
 from .order import COSTLY_KINDS, DraftOrder, Estimates
 
-__all__ = ["COSTLY_KINDS", "HybridDrafter"]
+__all__ = ["COSTLY_KINDS", "HybridDrafter", "region_of"]
 
 
 class HybridDrafter(Drafter):
@@ -106,16 +106,22 @@ class HybridDrafter(Drafter):
                 if part.name in COSTLY_KINDS:
                     if tokens and not part.follows_others:
                         continue  # it would return nothing: not an ask
-                    if self.order is not None and not self.order.worth_asking(part.name, part.seconds_per_ask):
-                        continue
+                    region = region_of(self.matcher, states[-1])
+                    if region is None:
+                        continue  # only the end of the sequence is left: nothing to draft
                     room = min(room, self.max_model_tokens)
+                    if self.order is not None and not part.confidence_gated:
+                        # How many tokens pay is known before asking: none, no ask.
+                        room = self.order.draft_room(kinds, part.name, room, part.seconds_per_token)
+                        if room <= 0:
+                            continue
+                    if self.order is not None and not self.order.worth_asking(
+                            part.name, part.seconds_per_ask, region=region, position=len(tokens),
+                            catch_up_seconds=part.catch_up_seconds(context + tokens)):
+                        continue
                     if self.order is not None and part.confidence_gated:
                         # Each of its tokens is weighed at its own confidence as it is drafted.
                         gate = self.order.costly_gate(kinds, confidence, part.name, part.seconds_per_token)
-                    elif self.order is not None:
-                        room = self.order.draft_room(kinds, part.name, room, part.seconds_per_token)
-                    if room <= 0:
-                        continue
                 ctx = context + tokens
                 d = part.propose(ctx, states[-1], room) if gate is None else part.propose_gated(ctx, states[-1], room, gate)
                 if not d.tokens:
@@ -154,6 +160,24 @@ class HybridDrafter(Drafter):
             if self.order.prefers_costly(kinds, part.name, costly.name, costly.seconds_per_token):
                 return [*free[:i], costly, *free[i:], *self.parts[at + 1 :]]
         return [*free, *self.parts[at:]]
+
+
+#: A state allowing at most this share of the vocabulary is a narrow region (a number, an enum,
+#: a literal), more a wide one (a free string): a draft's acceptance differs between them.
+NARROW_SHARE = 1 / 16
+
+
+def region_of(matcher: Matcher, state: State) -> str | None:
+    """The kind of region ``state`` is in, as a costly drafter's asks are counted by: "narrow"
+    or "wide" (``NARROW_SHARE``); None where nothing but the end of the sequence is allowed.
+    Read off the state's mask, which the verifier computes there anyway (cached)."""
+    memo = matcher.memo.setdefault("region", {})
+    if state not in memo:
+        mask = matcher.allowed_mask(state)
+        eos = matcher.eos_token_id
+        allowed = int(mask.sum()) - int(eos < mask.shape[0] and bool(mask[eos]))
+        memo[state] = None if allowed <= 0 else "narrow" if allowed <= mask.shape[0] * NARROW_SHARE else "wide"
+    return memo[state]
 
 
 def _one_hot(token: int, size: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -31,8 +31,10 @@ class ModelDrafter(Drafter):
         self.cache: Any = None  # a transformers Cache
         self.cached_ids: list[int] = []
         self.seconds = 0.0
-        self.seconds_per_token, self.seconds_per_ask = 0.0, 0.0
+        self.seconds_per_token, self.seconds_per_ask, self.seconds_per_context_token = 0.0, 0.0, 0.0
         self._fed_prompt = False
+        #: The tokens and seconds of this request's prompt catch-up (its first ask's feed).
+        self._caught_up: tuple[int, float] | None = None
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Start a fresh cache for a new request: the kind a batch-invariant model names
@@ -42,6 +44,7 @@ class ModelDrafter(Drafter):
         self.cache = new_cache() if callable(new_cache) else DynamicCache(config=self.model.config)
         self.cached_ids = []
         self._fed_prompt = False
+        self._caught_up = None
 
     def timings(self) -> dict[str, float]:
         """Seconds spent proposing (catching up on the context and drafting)."""
@@ -57,6 +60,12 @@ class ModelDrafter(Drafter):
         """Sample from the request's generator, so ``seed=`` reproduces the draft too."""
         self.generator = generator
 
+    def catch_up_seconds(self, context: Sequence[int]) -> float:
+        """Before this request's first ask: the draft's prompt pass over ``context`` at its
+        measured seconds per context token (0 until a request has timed one); after it, 0 (the
+        accepted tokens an ask catches up on are in its price per ask)."""
+        return 0.0 if self._fed_prompt else len(context) * self.seconds_per_context_token
+
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Crop the cache to its common prefix with ``context``, feed the rest; logits of the last position."""
         if self.cache is None:
@@ -68,7 +77,12 @@ class ModelDrafter(Drafter):
         if common < len(self.cached_ids):
             self.cache.crop(common - len(self.cached_ids))  # negative: drop that many positions
             del self.cached_ids[common:]
-        return self._feed(context[common:])
+        if self._fed_prompt:
+            return self._feed(context[common:])
+        t0 = time.perf_counter()
+        logits = self._feed(context[common:])
+        self._caught_up = (len(context) - common, time.perf_counter() - t0)
+        return logits
 
     @torch.no_grad()
     def _feed(self, ids: list[int]) -> torch.Tensor:
@@ -87,12 +101,14 @@ class ModelDrafter(Drafter):
         draft = self._propose(context, state, k)
         spent = time.perf_counter() - t0
         self.seconds += spent
+        self._fed_prompt = True
         # What the K policy weighs this drafter by (moving averages), as a head's: per drafted
         # token and per ask, the tokens accepted since the last ask included (a draft asked
-        # rarely catches up on many); the request's first ask, which feeds the whole prompt, not.
-        self._fed_prompt = True
-        if not first:
-            self.record_ask(self.model, spent, len(draft.tokens), per_ask=True, keep=True)
+        # rarely catches up on many); the request's first catch-up (its prompt pass) per
+        # context token, apart (``catch_up_seconds``).
+        caught_up = self._caught_up if first else None
+        spent -= caught_up[1] if caught_up else 0.0
+        self.record_ask(self.model, spent, len(draft.tokens), per_ask=True, keep=True, caught_up=caught_up)
         return draft
 
     def _propose(self, context: list[int], state: State, k: int) -> Draft:

@@ -30,6 +30,15 @@ PRIOR_ASK_GAIN = 0.5
 ASK_PRIOR_WEIGHT = 2.0
 ASK_DECAY = 0.9
 ASK_PROBE_GAP = 8
+#: The weight of one request's count of chances to ask a costly drafter (per region) in the
+#: moving mean that prices a draft model's prompt pass (``DraftOrder.worth_asking``).
+CHANCES_WEIGHT = 0.3
+
+
+def ask_key(kind: str, region: str = "") -> str:
+    """The key a costly drafter's asks are counted by: its kind, and where given the kind of
+    region it is asked in ("model@wide": a free string; see ``drafters.hybrid.region_of``)."""
+    return f"{kind}@{region}" if region else str(kind)
 
 
 def alpha_key(kind: str, continues: bool) -> str:
@@ -92,9 +101,16 @@ class DraftOrder:
         self._asks: dict[str, float] = {}
         self._ask_gain: dict[str, float] = {}
         self._asks_refused = 0
+        #: This step's asks: (ask key, the draft position it drafted from), credited in ``update``.
+        self._step_asks: list[tuple[str, int]] = []
+        #: Per ask key: chances to ask seen in this request, and past requests' mean.
+        self._chances: dict[str, int] = {}
         est = estimates
-        seeded = est is not None and not est.deterministic and est.recent is not None
-        self._ask_seed = dict(est.recent.ask_gain.get(est.history_key, {})) if seeded else {}  # type: ignore[union-attr]
+        self._seeded = est is not None and not est.deterministic and est.recent is not None
+        self._ask_seed = dict(est.recent.ask_gain.get(est.history_key, {})) if self._seeded else {}  # type: ignore[union-attr]
+        self._chance_seed = dict(est.recent.ask_chances.get(est.history_key, {})) if self._seeded else {}  # type: ignore[union-attr]
+        for key in self._chance_seed:  # a request that never reaches a key counts 0 chances there
+            self._pass_on_chances(key)
 
     # -- which part drafts ----------------------------------------------------------------------
     def rank_free(self, kinds: Sequence[str], free_kinds: Sequence[str]) -> list[int]:
@@ -123,34 +139,68 @@ class DraftOrder:
         run = est.alpha(free) * (1 + est.alpha(alpha_key(free_kind, True)))
         return est.alpha(costly) - self._costly_ratio(seconds_per_token) > run
 
-    def worth_asking(self, kind: str, seconds_per_ask: float) -> bool:
-        """Whether to ask a costly drafter of ``kind`` (a learned head) at the next position:
-        while the tokens of that kind an ask brings (``ask_gain``), at the request's price per
-        emitted token (its timed steps' seconds over their tokens), are worth more than the
-        ask's measured seconds. An ask costs the drafter a step even when its gate then refuses
-        every token. A refused ask is probed every ``ASK_PROBE_GAP``, so a low estimate can
-        recover; a seeded sampled request (no timings) always asks. True counts an ask."""
+    def worth_asking(self, kind: str, seconds_per_ask: float, *, region: str = "", catch_up_seconds: float = 0.0,
+                     position: int = 0) -> bool:
+        """Whether to ask a costly drafter of ``kind`` (a learned head, a draft model) at the
+        next position, in a ``region`` of that kind (``drafters.hybrid.region_of``; "": not told),
+        ``position`` tokens into this step's draft: while the tokens of that kind an ask there
+        brings (``ask_gain``), at the request's price per emitted token (its timed steps'
+        seconds over their tokens), are worth more than the ask's measured seconds. An ask
+        costs the drafter a step even when its gate then refuses every token. A refused ask is
+        probed every ``ASK_PROBE_GAP``, so a low estimate can recover; a seeded sampled request
+        (no timings) always asks. True counts an ask.
+
+        ``catch_up_seconds`` is what the ask would cost first (a draft model's prompt pass, at
+        its first ask of a request): then the ask must also pay for that, from what asking is
+        expected to bring over the rest of the request where it pays (past requests' chances to
+        ask per region, less those seen), and is never asked as a probe: a probe would pay the
+        whole prompt pass to learn about one ask.
+        """
         est = self.estimates
         if est is None:
             return True
-        ask = True
+        key = ask_key(kind, region)
         spent, emitted = est.step_price()
-        if not est.deterministic and seconds_per_ask > 0 and emitted > 0:
-            ask = self.ask_gain(kind) * spent / emitted >= seconds_per_ask
-            if not ask:
-                self._asks_refused += 1
-                if self._asks_refused >= ASK_PROBE_GAP:
-                    ask, self._asks_refused = True, 0
+        ask = True
+        if not est.deterministic and catch_up_seconds > 0 and emitted <= 0:
+            ask = False  # a prompt pass is not paid before the request has priced a token
+        elif not est.deterministic and seconds_per_ask > 0 and emitted > 0:
+            price = spent / emitted
+            net = self.ask_gain(key) * price - seconds_per_ask
+            if catch_up_seconds > 0:
+                ask = net >= 0 and net + self._value_ahead(kind, key, price, seconds_per_ask) >= catch_up_seconds
+            else:
+                ask = net >= 0
+                if not ask:
+                    self._asks_refused += 1
+                    if self._asks_refused >= ASK_PROBE_GAP:
+                        ask, self._asks_refused = True, 0
+        self._chances[key] = self._chances.get(key, 0) + 1
+        self._pass_on_chances(key)
         if ask:
-            self._asks[kind] = self._asks.get(kind, 0.0) * ASK_DECAY + 1
-            self._ask_gain[kind] = self._ask_gain.get(kind, 0.0) * ASK_DECAY
+            self._asks[key] = self._asks.get(key, 0.0) * ASK_DECAY + 1
+            self._ask_gain[key] = self._ask_gain.get(key, 0.0) * ASK_DECAY
+            self._step_asks.append((key, position))
             self._pass_on_ask_gain()
         return ask
 
-    def ask_gain(self, kind: str) -> float:
-        """Accepted tokens of the costly ``kind`` per ask (decayed counts over the prior)."""
-        seed = self._ask_seed.get(kind, PRIOR_ASK_GAIN)
-        return (self._ask_gain.get(kind, 0.0) + seed * ASK_PRIOR_WEIGHT) / (self._asks.get(kind, 0.0) + ASK_PRIOR_WEIGHT)
+    def ask_gain(self, key: str) -> float:
+        """Accepted tokens of a costly kind per ask under ``key`` (``ask_key``: the kind, and
+        the region asked in; decayed counts over the prior)."""
+        seed = self._ask_seed.get(key, PRIOR_ASK_GAIN)
+        return (self._ask_gain.get(key, 0.0) + seed * ASK_PRIOR_WEIGHT) / (self._asks.get(key, 0.0) + ASK_PRIOR_WEIGHT)
+
+    def _value_ahead(self, kind: str, key: str, price: float, seconds_per_ask: float) -> float:
+        """Seconds the asks of ``kind`` after the one at ``key`` are expected to save in this
+        request: in each region where an ask pays, its net worth times the chances past
+        requests met there, less those this request has seen (0 without past requests)."""
+        value = 0.0
+        for other, mean in self._chance_seed.items():
+            if other.partition("@")[0] != kind:
+                continue
+            ahead = mean - self._chances.get(other, 0) - (other == key)
+            value += max(self.ask_gain(other) * price - seconds_per_ask, 0.0) * max(ahead, 0.0)
+        return value
 
     # -- how much a costly part drafts ----------------------------------------------------------
     def costly_gate(self, kinds: Sequence[str], confidence: Confidences, kind: str,
@@ -217,8 +267,11 @@ class DraftOrder:
         for i, key in enumerate(alpha_keys(kinds)[: accepted + 1]):  # examined positions only
             if key in COSTLY_KINDS:  # the first token of a costly run
                 self._costly_probe_gap = 8 if i < accepted else min(64, 2 * self._costly_probe_gap)
-        for kind in self._asks:
-            self._ask_gain[kind] += sum(1 for x in kinds[:accepted] if x == kind)
+        asks, self._step_asks = self._step_asks, []
+        for i, (key, start) in enumerate(asks):  # each ask is credited with its own accepted tokens
+            end = min(accepted, asks[i + 1][1] if i + 1 < len(asks) else accepted)
+            kind = key.partition("@")[0]
+            self._ask_gain[key] += sum(1 for x in kinds[start:end] if x == kind)
         self._pass_on_ask_gain()
 
     def _pass_on_ask_gain(self) -> None:
@@ -227,8 +280,18 @@ class DraftOrder:
         if est is None or est.deterministic or est.recent is None:
             return
         recent_gain = est.recent.ask_gain.setdefault(est.history_key, {})
-        for kind in self._asks:
-            recent_gain[kind] = self.ask_gain(kind)
+        for key in self._asks:
+            recent_gain[key] = self.ask_gain(key)
+
+    def _pass_on_chances(self, key: str) -> None:
+        """Leave the mean chances to ask per request under ``key``, this request's count so far
+        weighed in (not a seeded sampled request's)."""
+        if not self._seeded:
+            return
+        est = self.estimates
+        seen, mean = self._chances.get(key, 0), self._chance_seed.get(key)
+        chances = est.recent.ask_chances.setdefault(est.history_key, {})  # type: ignore[union-attr]
+        chances[key] = float(seen) if mean is None else (1 - CHANCES_WEIGHT) * mean + CHANCES_WEIGHT * seen
 
     def _costly_probe_due(self) -> bool:
         """Count a costly first token refused; True (and the count restarts) once the probe gap
