@@ -27,6 +27,7 @@ from .errors import (
     TokenLimitError,
 )
 from .models import ModelHandle, check_same_tokenizer, resolve_model
+from .storage import trained_head_dir
 
 if TYPE_CHECKING:
     from .batching import BatchEngine, Request
@@ -224,15 +225,21 @@ def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> DraftSo
     if draft is False or kind not in ("model", "head", "hybrid"):
         return None
     fingerprint = handle.vocabulary.fingerprint
-    shipped = shipped_head_dir(handle.model, fingerprint)
-    corpus = corpus_in(shipped, fingerprint) if shipped is not None and kind == "hybrid" else None
+    # A head trained here for this very file (train-drafter without --out) is drafted with by
+    # auto as well; the package's own head only on request (docs/drafters.md: it measured
+    # below auto without it on the embedded model).
+    trained = trained_head_for(handle)
+    found = trained or shipped_head_dir(handle.model, fingerprint)
+    corpus = corpus_in(found, fingerprint) if found is not None and kind == "hybrid" else None
     if draft is None or draft is True:
         if kind == "model":
             return None
-        head = head_for(handle.model, fingerprint) if draft is True or kind == "head" else None
+        wanted = draft is True or kind == "head" or trained is not None
+        head = head_for(handle.model, fingerprint, found) if wanted and found is not None else None
         if head is None and draft is True:
-            raise InvalidOptionError(f"Invalid draft: no draft head ships for {handle.name!r}; train one with "
-                                     "constrained-spec train-drafter and pass its directory.")
+            raise InvalidOptionError(f"Invalid draft: no draft head ships or was trained for {handle.name!r}; "
+                                     "train one with constrained-spec train-drafter --target FILE (it is found "
+                                     "for that file without a path) or pass a head's directory.")
         return DraftSource(head=head, corpus=corpus) if head is not None or corpus is not None else None
     if isinstance(draft, DraftHead):
         if draft.config.tokenizer_fingerprint != fingerprint:
@@ -245,6 +252,15 @@ def resolve_draft(draft: Any, handle: ModelHandle, opts: SpecOptions) -> DraftSo
     draft_handle = resolve_model(draft, role="draft")
     check_same_tokenizer(handle, draft_handle)
     return DraftSource(model=draft_handle, corpus=corpus)
+
+
+def trained_head_for(handle: ModelHandle) -> Path | None:
+    """The head ``train-drafter`` trained for the handle's GGUF file and kept in the cache
+    (``storage.trained_head_dir``), or None."""
+    if handle.gguf_file is None or not Path(handle.gguf_file).is_file():
+        return None
+    path = trained_head_dir(handle.gguf_file)
+    return path if is_head_dir(path) else None
 
 
 def _start(model: Any, draft: Any, compile_for: Callable[[ModelHandle], CompiledConstraint], prompt: str,

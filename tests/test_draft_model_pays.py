@@ -200,3 +200,26 @@ def test_the_region_of_a_state_is_read_off_its_mask(smol):
     assert region_of(matcher, states[-1]) == "wide"
     done = matcher.walk(matcher.initial_state, smol.tokenizer('12 "abc"', add_special_tokens=False)["input_ids"])[-1]
     assert matcher.is_final(done) and region_of(matcher, done) is None
+
+
+def test_a_draft_model_reads_only_the_rows_of_its_output_matrix_a_narrow_state_allows(tmp_path, monkeypatch):
+    """Where the constraint allows few tokens (digits here), a draft model's logits come from
+    those rows of its output matrix alone (``models.output_rows``), as the target's do: its full
+    vocabulary projection never runs, and the output is target-only's (tiny GGUF files)."""
+    from constrained_spec import generate_regex, load_model
+    from tests.tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path / "cache"))
+    shape = dict(arch="llama", types={"attn_q": "Q4_0"}, hidden=256, ff=512, gpt2_vocab=2000)
+    target = load_model(str(write_tiny_gguf(tmp_path / "target.gguf", layers=2, seed=0, **shape)))
+    draft = load_model(str(write_tiny_gguf(tmp_path / "draft.gguf", layers=1, seed=7, default="Q4_1", **shape)))
+    pattern, prompt = r"[0-9]{8,20}", "Twenty digits: "
+    base = generate_regex(target, pattern, prompt, drafter="none", max_new_tokens=24)
+    output = draft.model.get_output_embeddings()
+    calls = []
+    plain = type(output).forward
+    monkeypatch.setattr(type(output), "forward", lambda self, *a, **k: calls.append(self) or plain(self, *a, **k))
+    text, stats = generate_regex(target, pattern, prompt, drafter="model", draft=draft, k_max=4, max_new_tokens=24,
+                                 return_stats=True)
+    assert text == base and stats.drafted > 0
+    assert not [m for m in calls if m is output]

@@ -44,10 +44,11 @@ def test_kept_memory_is_reused_rather_than_faulted_in_again():
     untouched, _, default = _faults(0)
     assert applied and not again and not untouched
     # Ten passes of two 24 MiB tensors (122,880 pages): by default glibc hands some of them back
-    # and faults them in again (about 30,000 faults measured); kept, they are reused.
+    # and faults them in again (30,000-43,000 faults measured); kept, they are reused (0-6,144
+    # measured: the higher beside the rest of the suite).
     pages = 10 * 2 * 4096 * 1536 * 4 // 4096
     assert default > pages // 10, default
-    assert kept < default // 10, (kept, default)
+    assert kept < pages // 10 < default, (kept, default)
 
 
 def test_a_bad_size_is_refused_by_name():

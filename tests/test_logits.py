@@ -1,12 +1,13 @@
-"""Logits over the allowed ids only, for states that allow few tokens (``decoding.logits``)."""
+"""Logits over the allowed ids only, for states that allow few tokens (``models.output_rows``)."""
 
 from __future__ import annotations
 
 import torch
 
 from constrained_spec.constraint import compile_constraint
-from constrained_spec.decoding import decode, logits as logits_module
-from constrained_spec.decoding.logits import allowed_subset, project_rows, supports_subsets
+from constrained_spec.decoding import decode
+from constrained_spec.models import output_rows as logits_module
+from constrained_spec.models.output_rows import allowed_subset, project_rows, supports_subsets
 from constrained_spec.drafters import LookupDrafter
 from constrained_spec.decoding import FixedK
 from tests.conftest import tiny_llama

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..decoding.decoder import StepPlan
-from ..decoding.logits import forward_logits, supports_subsets
+from ..models.output_rows import forward_logits, supports_subsets
 from ..decoding.prefix import Chunk, PrefixCache
 from ..models.invariant import cache_dtype
 from .cache import RowCache
@@ -148,7 +148,7 @@ class StepRunner:
         if with_features:  # rows whose drafter is a learned head read the target's features
             inputs["output_hidden_states"] = True
         try:
-            if needed:  # small states over their allowed ids only (decoding.logits)
+            if needed:  # small states over their allowed ids only (models.output_rows)
                 return forward_logits(self.target, needed, subsets, self._subsets, **inputs)
             # Every row is in a single-token state, or feeds a chunk: only the keys are needed.
             return self.target.base_model(**inputs), None

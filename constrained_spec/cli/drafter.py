@@ -41,8 +41,8 @@ def drafter_data_cmd(
 
 @app.command("train-drafter")
 def train_drafter_cmd(
-    data: Path = typer.Option(..., "--data", help="JSONL: {\"prompt\": ..., \"schema\": ...} or {\"prompt\": ..., \"regex\": ...} per line (see drafter-data)."),
-    out: Path = typer.Option(..., "--out", help="Directory for the head (load it with draft=DIR / --draft DIR); checkpoints go there too."),
+    data: Optional[Path] = typer.Option(None, "--data", help="JSONL: {\"prompt\": ..., \"schema\": ...} or {\"prompt\": ..., \"regex\": ...} per line (see drafter-data); default: drafter-data's prompts from the JSONSchemaBench subsets except Glaiveai2K, written into the head's directory."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Directory for the head (load it with draft=DIR / --draft DIR); checkpoints go there too. Default for a GGUF --target: the cache, where draft=True and auto find it for that file."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model id or path; default: the embedded SmolLM2-135M-Instruct."),
     precision: Optional[str] = typer.Option(None, "--precision", help="The target's precision (as in json; default: native for the embedded model)."),
     minutes: Optional[float] = typer.Option(None, "--minutes", help="Stop training after this many minutes (the best head is kept)."),
@@ -70,6 +70,8 @@ def train_drafter_cmd(
         if minutes is None and steps is None and not corpus_only:
             raise InvalidOptionError("Invalid training budget: give --minutes or --steps.")
         handle = load_model(target, precision=precision)
+        where = _head_dir(handle, out)
+        prompts = data if data is not None else _default_data(where)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err) as bar:
             tasks: dict[str, Any] = {}
@@ -85,14 +87,42 @@ def train_drafter_cmd(
                     err.print(f"{p.phase} {p.done}/{p.total} {info}")  # a log file gets lines, not a bar
 
             if corpus_only:
-                corpus = build_corpus(handle, data, out, max_new_tokens=max_new_tokens, limit=limit,
+                corpus = build_corpus(handle, prompts, where, max_new_tokens=max_new_tokens, limit=limit,
                                       batch=DECODE_BATCH if batch is None else batch, progress=progress)
-                _report({"corpus_tokens": len(corpus), "out": str(out)}, None)
+                _report({"corpus_tokens": len(corpus), "out": str(where)}, None)
                 return
-            report = train_drafter(handle, data, out, minutes=minutes, steps=steps, draft_vocab=draft_vocab,
+            report = train_drafter(handle, prompts, where, minutes=minutes, steps=steps, draft_vocab=draft_vocab,
                                    sampled=sampled, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                                    unroll=unroll, lr=lr, resume=resume, batch=DECODE_BATCH if batch is None else batch,
                                    progress=progress)
-        _report({k: v for k, v in dataclasses.asdict(report).items() if k != "losses"} | {"out": str(out)}, None)
+        _report({k: v for k, v in dataclasses.asdict(report).items() if k != "losses"} | {"out": str(where)}, None)
 
     _run_guarded(go)
+
+
+def _head_dir(handle: Any, out: Optional[Path]) -> Path:
+    """``--out``, or for a GGUF target the cache directory named by the file's identity, where
+    ``draft=True`` and auto find the head for that file (``storage.trained_head_dir``)."""
+    from ..storage import trained_head_dir
+
+    if out is not None:
+        return out
+    if handle.gguf_file is None:
+        raise InvalidOptionError("Invalid --out: give the directory to save the head in (only a GGUF file's head "
+                                 "has a home in the cache).")
+    return trained_head_dir(handle.gguf_file)
+
+
+def _default_data(where: Path) -> Path:
+    """drafter-data's training prompts (every JSONSchemaBench subset but the held-out
+    Glaiveai2K, and the repository's examples), written to ``where/data.jsonl`` once."""
+    from ..pipelines.drafter_data import default_data_dir, training_prompts, write_jsonl
+
+    path = where / "data.jsonl"
+    if path.is_file():
+        return path
+    source = default_data_dir()
+    if not source.is_dir():
+        raise InvalidOptionError(f"Invalid --data: none given and no JSONSchemaBench subsets at {str(source)!r} "
+                                 "(set $CONSTRAINED_SPEC_SCHEMA_DATA, or write prompts with drafter-data).")
+    return write_jsonl(training_prompts(source), path)

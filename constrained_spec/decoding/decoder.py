@@ -18,7 +18,7 @@ from ..errors import ConstraintViolationError, DeadEndError, InvalidOptionError,
 from ..models.threads import thread_governor
 from ..models.growing_cache import growing_cache
 from .kpolicy import FixedK, KPolicy
-from .logits import allowed_subset, forward_logits, supports_subsets
+from ..models.output_rows import allowed_subset, forward_logits, supports_subsets
 from .prefix import Chunk, PrefixCache, load_blocks, prefill_alone, prompt_chunks, store_blocks
 from .repetition import first_repetition
 from .stats import DecodeResult, DecodeStats
@@ -32,7 +32,7 @@ class StepPlan:
     tokens in front), the draft and the masks along its path; when the step started, when its
     draft was done and when its plan was (``time.perf_counter``, for the stats); ``subsets``:
     per row of ``rows``, the token ids its logits are computed over when its state allows few
-    (``decoding.logits``), None for the whole vocabulary."""
+    (``models.output_rows``), None for the whole vocabulary."""
 
     tokens: list[int]
     rows: list[int]
@@ -195,7 +195,7 @@ class SpeculativeDecoder:
                       else growing_cache(self.target.config.num_hidden_layers))
         self.last = self.prompt_ids[-1]
         self._single: dict[State, bool] = {}
-        #: Per state, the ids its logits are computed over (``decoding.logits``); None: all.
+        #: Per state, the ids its logits are computed over (``models.output_rows``); None: all.
         self._subsets: dict[State, torch.Tensor | None] = {}
         self._use_subsets = supports_subsets(self.target)
         self._pending: list[int] = []
@@ -332,7 +332,7 @@ class SpeculativeDecoder:
         return single
 
     def _subset(self, state: State, mask: torch.Tensor) -> torch.Tensor | None:
-        """The ids ``state``'s logits are computed over, None for all (``decoding.logits``)."""
+        """The ids ``state``'s logits are computed over, None for all (``models.output_rows``)."""
         if state not in self._subsets:
             self._subsets[state] = allowed_subset(mask)
         return self._subsets[state]

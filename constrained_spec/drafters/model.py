@@ -35,6 +35,9 @@ class ModelDrafter(Drafter):
         self._fed_prompt = False
         #: The tokens and seconds of this request's prompt catch-up (its first ask's feed).
         self._caught_up: tuple[int, float] | None = None
+        #: The model's logits over a few rows of its output matrix (``models.output_rows``, set
+        #: by ``models.invariant.make_batch_invariant``); None: the full projection only.
+        self._subset_logits = getattr(model, "subset_logits", None)
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Start a fresh cache for a new request: the kind a batch-invariant model names
@@ -66,8 +69,9 @@ class ModelDrafter(Drafter):
         accepted tokens an ask catches up on are in its price per ask)."""
         return 0.0 if self._fed_prompt else len(context) * self.seconds_per_context_token
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
-        """Crop the cache to its common prefix with ``context``, feed the rest; logits of the last position."""
+    def _sync(self, context: list[int], state: State) -> torch.Tensor:
+        """Crop the cache to its common prefix with ``context``, feed the rest; logits of the last
+        position, whose constraint state is ``state``."""
         if self.cache is None:
             raise RuntimeError("ModelDrafter.reset(prompt_ids) must be called before propose().")
         common = 0
@@ -78,19 +82,26 @@ class ModelDrafter(Drafter):
             self.cache.crop(common - len(self.cached_ids))  # negative: drop that many positions
             del self.cached_ids[common:]
         if self._fed_prompt:
-            return self._feed(context[common:])
+            return self._feed(context[common:], state)
         t0 = time.perf_counter()
-        logits = self._feed(context[common:])
+        logits = self._feed(context[common:], state)
         self._caught_up = (len(context) - common, time.perf_counter() - t0)
         return logits
 
     @torch.no_grad()
-    def _feed(self, ids: list[int]) -> torch.Tensor:
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True, logits_to_keep=1
-        )
+    def _feed(self, ids: list[int], state: State) -> torch.Tensor:
+        """Feed ``ids``; the logits after the last, whose constraint state is ``state``: over the
+        tokens that state allows where it allows few (the model's ``subset_logits``, as the
+        target's verify rows: a draft's vocabulary projection is a quarter of a 0.5B model's
+        step), else over all."""
+        inputs = dict(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True)
+        if self._subset_logits is not None:
+            allowed = self.matcher.allowed_mask(state).nonzero().flatten()
+            logits = self._subset_logits([len(ids) - 1], [allowed], **inputs)
+        else:
+            logits = self.model(**inputs, logits_to_keep=1).logits[0, -1:].float().cpu()
         self.cached_ids.extend(ids)
-        return out.logits[0, -1].float().cpu()
+        return logits[0]
 
     def propose(self, context: list[int], state: State, k: int) -> Draft:
         """Sample up to ``k`` tokens from the masked draft law q."""
@@ -115,7 +126,7 @@ class ModelDrafter(Drafter):
         states = [state]
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
-        logits = self._sync(context)
+        logits = self._sync(context, state)
         eos = self.matcher.eos_token_id
         for i in range(k):
             s = states[-1]
@@ -136,5 +147,5 @@ class ModelDrafter(Drafter):
             tokens.append(x)
             states.append(nxt)
             if i + 1 < k:
-                logits = self._feed([x])
+                logits = self._feed([x], nxt)
         return Draft(tokens, states, torch.stack(qs) if qs else None, self.name)

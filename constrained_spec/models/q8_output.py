@@ -28,7 +28,7 @@ batch-invariant as it is.
 
 ``precision="native-exact"`` keeps the exact float32 matrix. ``weight`` stays the exact float32
 matrix either way (the input embedding shares it, and the logits path over a few allowed ids,
-``decoding.logits``, gathers its rows), so only full-vocabulary rows take a kernel.
+``models.output_rows``, gathers its rows), so only full-vocabulary rows take a kernel.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..models.invariant import BucketedLinear
-from ..models.q8_output import Q8OutputProjection
-from ..models.quant_linear import QuantLinear
+from .invariant import BucketedLinear
+from .q8_output import Q8OutputProjection
+from .quant_linear import QuantLinear
 
 #: States allowing more tokens than this take the full projection: gathering a row of the
 #: matrix costs about what reading it costs, so past a few thousand rows the subset stops paying
