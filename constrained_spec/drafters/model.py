@@ -96,8 +96,7 @@ class ModelDrafter(Drafter):
         step), else over all."""
         inputs = dict(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True)
         if self._subset_logits is not None:
-            allowed = self.matcher.allowed_mask(state).nonzero().flatten()
-            logits = self._subset_logits([len(ids) - 1], [allowed], **inputs)
+            logits = self._subset_logits([len(ids) - 1], [self.matcher.allowed_mask(state)], **inputs)
         else:
             logits = self.model(**inputs, logits_to_keep=1).logits[0, -1:].float().cpu()
         self.cached_ids.extend(ids)

@@ -588,16 +588,17 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
 def _subset_logits(model: Any) -> Callable[..., Any] | None:
     """``models.output_rows.forward_logits`` on the subset path, bound to this model, for other
     callers of its forwards (a draft model's drafter, which sits beside models/, not above it):
-    ``(rows, ids per row, **inputs) -> logits``, each row over its ids where they are at most
-    ``SUBSET_MAX``, else over the whole vocabulary. None where the model's logits are more than
-    an output layer of the final hidden state."""
+    ``(rows, allowed mask per row, **inputs) -> logits``, each row over the ids its mask allows
+    where they are at most ``SUBSET_MAX`` (counted before any index is built: a wide mask costs
+    no list of its ids), else over the whole vocabulary. None where the model's logits are more
+    than an output layer of the final hidden state."""
     from . import output_rows  # it reads this module's layers
 
     if not output_rows.supports_subsets(model):
         return None
 
-    def logits(rows: list[int], ids: list[torch.Tensor], **inputs: Any) -> torch.Tensor:
-        subsets = [i if len(i) <= output_rows.SUBSET_MAX else None for i in ids]
+    def logits(rows: list[int], masks: list[torch.Tensor], **inputs: Any) -> torch.Tensor:
+        subsets = [m.nonzero().flatten() if 0 < int(m.sum()) <= output_rows.SUBSET_MAX else None for m in masks]
         return output_rows.forward_logits(model, rows, subsets, True, **inputs)[1]
 
     return logits
