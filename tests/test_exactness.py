@@ -101,10 +101,10 @@ def sample_pvalue(law, draw, n: int = N) -> float:
     return float(chisquare(np.array(obs), np.array(exp) * (sum(obs) / sum(exp))).pvalue)
 
 
-def run(compiled, target, make_drafter, seed, k=3):
+def run(compiled, target, make_drafter, seed, k=3, prompt=PROMPT):
     """One sampled request: a fresh matcher, the drafter built on it, K fixed."""
     matcher = compiled.matcher()
-    return decode(target, matcher, PROMPT, drafter=make_drafter(matcher), k_policy=FixedK(k), temperature=1.0,
+    return decode(target, matcher, prompt, drafter=make_drafter(matcher), k_policy=FixedK(k), temperature=1.0,
                   seed=seed, max_new_tokens=16).tokens
 
 

@@ -11,6 +11,12 @@ from transformers import DynamicCache
 from ..constraint import Matcher, State, apply_mask
 from .base import Draft, Drafter, DraftKind, draw_masked
 
+#: Where a state allows many tokens a draft model proposes among the first this many token ids
+#: and its prompt's tokens: byte-pair merges are numbered in the order they were learned, most
+#: frequent first, so these cover nearly all of what a model writes, for a fraction of the output
+#: matrix's reads (docs/draft-models.md, "A draft vocabulary").
+DRAFT_VOCABULARY = 32768
+
 
 class ModelDrafter(Drafter):
     """Samples (or, greedy, takes the argmax of) the draft model's law masked by the request's
@@ -22,7 +28,9 @@ class ModelDrafter(Drafter):
     name = DraftKind.MODEL
 
     def __init__(self, model: Any, matcher: Matcher, *, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, vocabulary: int | None = DRAFT_VOCABULARY) -> None:
+        """``vocabulary``: the draft vocabulary's leading token ids (``DRAFT_VOCABULARY``); None,
+        or a model whose vocabulary is under twice that, proposes among all tokens."""
         super().__init__(matcher)
         self.model = model
         self.temperature = temperature
@@ -38,6 +46,9 @@ class ModelDrafter(Drafter):
         #: The model's logits over a few rows of its output matrix (``models.output_rows``, set
         #: by ``models.invariant.make_batch_invariant``); None: the full projection only.
         self._subset_logits = getattr(model, "subset_logits", None)
+        self.vocabulary_size = vocabulary
+        #: This request's draft vocabulary (``models.output_rows.VocabularyRows``; None: all rows).
+        self._vocabulary: Any = None
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Start a fresh cache for a new request: the kind a batch-invariant model names
@@ -48,6 +59,20 @@ class ModelDrafter(Drafter):
         self.cached_ids = []
         self._fed_prompt = False
         self._caught_up = None
+        self._vocabulary = self._draft_vocabulary(prompt_ids)
+
+    def _draft_vocabulary(self, prompt_ids: list[int]) -> Any:
+        """The leading ids and the prompt's tokens (a copy of a value the draft must be able to
+        propose), where the model offers the rows (``vocabulary_rows``, set by
+        ``models.invariant.make_batch_invariant``) and its vocabulary is at least twice as large
+        (a smaller one would save too little to lose any token)."""
+        rows = getattr(self.model, "vocabulary_rows", None)
+        size = self.vocabulary_size
+        if rows is None or self._subset_logits is None or size is None or size < 1:
+            return None
+        if getattr(self.model.config, "vocab_size", 0) < 2 * size:
+            return None
+        return rows(size).with_tokens(prompt_ids)
 
     def timings(self) -> dict[str, float]:
         """Seconds spent proposing (catching up on the context and drafting)."""
@@ -93,14 +118,29 @@ class ModelDrafter(Drafter):
         """Feed ``ids``; the logits after the last, whose constraint state is ``state``: over the
         tokens that state allows where it allows few (the model's ``subset_logits``, as the
         target's verify rows: a draft's vocabulary projection is a quarter of a 0.5B model's
-        step), else over all."""
+        step), else over the draft vocabulary where it holds an allowed token (-inf outside it),
+        else over all."""
         inputs = dict(input_ids=torch.tensor([ids], device=self.device), cache=self.cache, use_cache=True)
         if self._subset_logits is not None:
-            logits = self._subset_logits([len(ids) - 1], [self.matcher.allowed_mask(state)], **inputs)
+            mask = self.matcher.allowed_mask(state)
+            logits = self._subset_logits([len(ids) - 1], [mask], vocabulary=self._vocabulary_for(mask), **inputs)
         else:
             logits = self.model(**inputs, logits_to_keep=1).logits[0, -1:].float().cpu()
         self.cached_ids.extend(ids)
         return logits[0]
+
+    def _vocabulary_for(self, mask: torch.Tensor) -> Any:
+        """The draft vocabulary where it holds a token ``mask`` allows besides the end (which a
+        draft never proposes), else None (the full projection)."""
+        vocabulary = self._vocabulary
+        if vocabulary is None:
+            return None
+        n = min(mask.shape[0], vocabulary.member.shape[0])
+        usable = mask[:n] & vocabulary.member[:n]
+        eos = self.matcher.eos_token_id
+        if eos < n:
+            usable[eos] = False
+        return vocabulary if bool(usable.any()) else None
 
     def propose(self, context: list[int], state: State, k: int) -> Draft:
         """Sample up to ``k`` tokens from the masked draft law q."""

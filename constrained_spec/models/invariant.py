@@ -582,6 +582,7 @@ def make_batch_invariant(model: Any, *, bucket_linears: bool | None = None) -> A
     model.batch_invariant = True
     model.new_cache = _cache_factory(model)
     model.subset_logits = _subset_logits(model)
+    model.vocabulary_rows = _vocabulary_rows(model)
     return model
 
 
@@ -597,11 +598,29 @@ def _subset_logits(model: Any) -> Callable[..., Any] | None:
     if not output_rows.supports_subsets(model):
         return None
 
-    def logits(rows: list[int], masks: list[torch.Tensor], **inputs: Any) -> torch.Tensor:
+    def logits(rows: list[int], masks: list[torch.Tensor], vocabulary: Any = None, **inputs: Any) -> torch.Tensor:
         subsets = [m.nonzero().flatten() if 0 < int(m.sum()) <= output_rows.SUBSET_MAX else None for m in masks]
-        return output_rows.forward_logits(model, rows, subsets, True, **inputs)[1]
+        return output_rows.forward_logits(model, rows, subsets, True, vocabulary, **inputs)[1]
 
     return logits
+
+
+def _vocabulary_rows(model: Any) -> Callable[[int], Any] | None:
+    """``size -> models.output_rows.VocabularyRows`` of the model's first ``size`` token ids
+    (built once per size), for a draft model's drafter to pass to ``subset_logits`` as
+    ``vocabulary=``; None where the subset path is not open to the model."""
+    from . import output_rows
+
+    if not output_rows.supports_subsets(model):
+        return None
+    built: dict[int, Any] = {}
+
+    def rows(size: int) -> Any:
+        if size not in built:
+            built[size] = output_rows.VocabularyRows.leading(model, size)
+        return built[size]
+
+    return rows
 
 
 def _cache_factory(model: Any) -> Callable[[], Any]:

@@ -103,18 +103,27 @@ def _float32(a: np.ndarray, what: str) -> np.ndarray:
     return wide
 
 
-def gather_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` (int64 ``[n]``) of ``pack``'s weights, dequantized: float32 ``[n, K]``, each
-    weight exactly ``d * q + m`` rounded as float32 does (the product rounded, then the sum):
-    torch ops on the packed bytes, no dense copy of the matrix."""
+def unpack_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``ids`` (int64 ``[n]``) of ``pack``'s operands, as ``pack`` took them: ``q`` uint8
+    ``[n, K]`` (0..15), ``d`` and ``m`` float32 ``[n, K/32]``; torch ops on the packed bytes."""
     pairs, g = packed.shape[0], packed.shape[1]
     ids = ids.reshape(-1).to(torch.int64)
     pair, c, col = ids // (2 * COLS), (ids // COLS) % 2, ids % COLS
     # [pair, group, c, t, column, e] -> [n, group, t, e] for each id's column.
     nibbles = packed.view(pairs, g, 2, 4, COLS, 4)[pair, :, c, :, col, :]
-    q = torch.stack([nibbles & 15, nibbles >> 4], dim=2).reshape(len(ids), g, GROUP).to(torch.float32)
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=2).reshape(len(ids), g * GROUP)
     dm = scales.view(pairs, g, 2, 2, COLS)[pair, :, c, :, col]  # [n, group, d/m]
-    return (q * dm[..., 0:1] + dm[..., 1:2]).reshape(len(ids), g * GROUP)
+    return q, dm[..., 0], dm[..., 1]
+
+
+def gather_rows(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[n]``) of ``pack``'s weights, dequantized: float32 ``[n, K]``, each
+    weight exactly ``d * q + m`` rounded as float32 does (the product rounded, then the sum):
+    torch ops on the packed bytes, no dense copy of the matrix."""
+    q, d, m = unpack_rows(packed, scales, ids)
+    n, g = d.shape
+    return (q.reshape(n, g, GROUP).to(torch.float32) * d[..., None] + m[..., None]).reshape(n, g * GROUP)
 
 
 def q4_1_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, split: bool = True) -> torch.Tensor:

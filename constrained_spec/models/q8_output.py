@@ -109,24 +109,31 @@ def q8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: tor
     return torch.ops.constrained_spec.q8_mm(x.to(torch.float32).contiguous(), packed, scales, mins)
 
 
-def gather_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` (int64 ``[n]``) of ``pack_vnni``'s weights, dequantized: float32 ``[n, K]``,
-    each weight exactly ``scale * q (+ min)`` rounded as float32 does (the product rounded, then
-    the sum): torch ops on the packed bytes, no dense copy of the matrix (a tied embedding)."""
+def unpack_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows ``ids`` (int64 ``[n]``) of ``pack_vnni``'s operands, as it took them: ``q`` int16
+    ``[n, K]`` (-128..127), ``scale`` float32 ``[n, K/32]`` or ``[n, K/16]`` (per half-block),
+    ``min`` ``[n, K/32]`` or None; torch ops on the packed bytes."""
     blocks, g = packed.shape[0], packed.shape[1]
     ids = ids.reshape(-1).to(torch.int64)
     block, col = ids // COLS, ids % COLS
     # [block, group, t, column, e] -> [n, group, t, e] for each id's column: k = 4 t + e.
-    u = packed.view(blocks, g, 8, COLS, 4)[block, :, :, col, :]
-    q = u.to(torch.float32) - 128  # integers: exact
-    if scales.dim() == 4:  # a scale per half-block of 16
-        w = q.reshape(len(ids), g, 2, 16) * scales[block, :, :, col][..., None]
-    else:
-        w = q.reshape(len(ids), g, GROUP) * scales[block, :, col][..., None]
-    w = w.reshape(len(ids), g, GROUP)
-    if mins.numel():
-        w = w + mins[block, :, col][..., None]
-    return w.reshape(len(ids), g * GROUP)
+    q = packed.view(blocks, g, 8, COLS, 4)[block, :, :, col, :].to(torch.int16) - 128
+    scale = (scales[block, :, :, col] if scales.dim() == 4 else scales[block, :, col]).reshape(len(ids), -1)
+    return q.reshape(len(ids), g * GROUP), scale, mins[block, :, col] if mins.numel() else None
+
+
+def gather_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[n]``) of ``pack_vnni``'s weights, dequantized: float32 ``[n, K]``,
+    each weight exactly ``scale * q (+ min)`` rounded as float32 does (the product rounded, then
+    the sum): torch ops on the packed bytes, no dense copy of the matrix (a tied embedding)."""
+    q, scale, min = unpack_rows(packed, scales, mins, ids)
+    n, g = q.shape[0], q.shape[1] // GROUP
+    per = q.shape[1] // scale.shape[1]  # weights a scale covers: 32, or 16 per half-block
+    w = (q.to(torch.float32).reshape(n, scale.shape[1], per) * scale[..., None]).reshape(n, g, GROUP)
+    if min is not None:
+        w = w + min[..., None]
+    return w.reshape(n, g * GROUP)
 
 
 def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:

@@ -256,6 +256,24 @@ class QuantLinear(nn.Module):
                 start += n
         return rows[:, : self.in_features]
 
+    def take_rows(self, ids: torch.Tensor) -> "QuantLinear":
+        """A layer of output rows ``ids`` (int64, in that order) of this one, in the same form and
+        with the same weights, unpacked from the packed bytes (no dense copy of the matrix): a
+        draft vocabulary's rows of an output projection. On the packed kernels each output
+        column reads its own weights alone, so its outputs are these columns of this layer's."""
+        ids = torch.as_tensor(ids).reshape(-1).to(torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError(f"Row ids must lie in 0..{self.out_features - 1}.")
+        bias = None if self.bias is None else self.bias.index_select(0, ids)
+        at = self._keep[ids] if self._keep is not None else ids  # the rows' places in the padded matrix
+        if self.kind == "four_bit":
+            q, d, m = q4_vnni.unpack_rows(self.packed, self.scales, at)
+            return QuantLinear.four_bit(q[:, : self.in_features], d, m, bias)
+        if self.kind == "eight_bit":
+            q, scale, min = q8_output.unpack_rows(self.packed, self.scales, self.mins, at)
+            return QuantLinear.eight_bit(q[:, : self.in_features], scale, min, bias)
+        return QuantLinear.dense(self.gather_rows(ids), bias)
+
     @property
     def nbytes(self) -> int:
         """Resident bytes of the layer's buffers (weights, scales, mins, bias)."""
