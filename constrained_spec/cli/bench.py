@@ -119,6 +119,28 @@ def _drafts(*, model: Optional[str], drafts: str, prompts: Optional[Path], workl
         err.print(f"figures written to {json_out}")
 
 
+def _self_draft(*, model: Optional[str], prompts: Optional[Path], workload: str, limit: Optional[int],
+                max_new_tokens: int, json_out: Optional[Path]) -> None:
+    """The target's layer sets as its draft (``bench.self_draft``)."""
+    from ..bench.self_draft import run_self_draft_bench
+    from ..bench.single import DEFAULT_PROMPTS
+
+    if limit is not None and limit < 1:
+        raise InvalidOptionError(f"Invalid --limit: expected at least 1, got {limit}.")
+    report = run_self_draft_bench(model, workload=workload, prompts=prompts or DEFAULT_PROMPTS, limit=limit,
+                                  max_new_tokens=max_new_tokens,
+                                  progress=lambda i, n: err.print(f"[dim]prompt {i}/{n} done[/]"))
+    table = Table(title=f"{report['model']}: its own layers as its draft, {report['prompts']} {workload} prompts, "
+                        "greedy, first draft token over the whole model's cache")
+    _print_rows(table, report["rows"], {
+        "layers": "layers run", "cost": "of a step", "agreement": "first token agrees", "positions": "positions",
+        "best_k": "best K", "bound_vs_target_only": "bound vs target-only"})
+    Console().print(report["verdict"])
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2, default=str))
+        err.print(f"figures written to {json_out}")
+
+
 def _batch(*, sizes: str, model: Optional[str], dtype: Optional[str], precision: Optional[str],
            documents: Optional[Path], limit: Optional[int], json_out: Optional[Path], plot: Optional[Path]) -> None:
     """Whole extraction jobs by batch size (``bench.batch``)."""
@@ -481,6 +503,23 @@ def drafts_cmd(
     """
     _run_guarded(lambda: _drafts(model=model, drafts=drafts, prompts=prompts, workload=workload, limit=limit,
                                  max_new_tokens=max_new_tokens, llama_cpp=llama_cpp, json_out=json_out))
+
+
+@bench_app.command("self-draft")
+def self_draft_cmd(
+    model: Optional[str] = ModelOpt,
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {id, schema, prompt} for --workload extraction; default: the extraction prompts shipped in the package."),
+    workload: str = typer.Option("generation", "--workload", help="generation (example objects for held-out Glaiveai2K schemas) or extraction (--prompts)."),
+    limit: Optional[int] = typer.Option(4, "--limit", help="Only the first N prompts."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    json_out: Optional[Path] = JsonOpt,
+) -> None:
+    """Whether the target's own layers could pay as its draft: for sets of its layers (early exits, middle layers skipped), how often the set's first draft token is the target's own, and the speedup over target-only that bounds.
+
+    Example: constrained-spec bench self-draft --model target.gguf --limit 4
+    """
+    _run_guarded(lambda: _self_draft(model=model, prompts=prompts, workload=workload, limit=limit,
+                                     max_new_tokens=max_new_tokens, json_out=json_out))
 
 
 @bench_app.command("documents")
