@@ -31,7 +31,7 @@ from ..decoding import decode
 from ..drafters.factory import build_drafter
 from ..models import resolve_model
 from ..models.layer_subset import layer_subset
-from ..models.output_rows import SUBSET_MAX, project_rows
+from ..models.output_rows import allowed_subset, project_rows
 from .single import DEFAULT_PROMPTS, _workload_items
 
 #: Largest K a bound considers (the decoder's own cap on the largest hardware profile).
@@ -116,8 +116,7 @@ def agreements(model: Any, prompt: Sequence[int], output: Sequence[int], matcher
             kept = [(cache.layers[i].keys[:, :, at].clone(), cache.layers[i].values[:, :, at].clone()) for i in s.layers]
             _hold(cache, at)
             hidden = view(input_ids=torch.tensor([[ids[at]]]), cache=cache, use_cache=True).last_hidden_state[0, -1:]
-            subset = mask.nonzero().flatten() if int(mask.sum()) <= SUBSET_MAX else None
-            logits = project_rows(model, hidden, [subset])[0].double()
+            logits = project_rows(model, hidden, [allowed_subset(mask)])[0].double()
             agreed += int(apply_mask(logits, mask).argmax()) == written
             for i, (k, v) in zip(s.layers, kept):  # the whole model's keys and values back at ``at``
                 cache.layers[i].keys[:, :, at] = k
