@@ -38,6 +38,12 @@ MAX_CANDIDATES = 8
 #: A proposal goes on past its first token only while the share of the chosen continuation
 #: among the allowed ones stays at least this (the K policy trims the rest by confidence).
 CHAIN_CONFIDENCE = 0.5
+#: What a token's confidence counts beside its continuations' counts: one continuation not yet
+#: seen. A share read off one or two outputs is not a certainty: a small corpus (a few dozen
+#: outputs, from another kind of prompt) gave continuations seen once a confidence of 1, and the
+#: K policy verified them as near-certain where they were all wrong (docs/drafters.md,
+#: "A corpus from other prompts").
+UNSEEN_CONTINUATIONS = 1
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: the hash is a polynomial in it, wrapping mod 2^64
 #: The same hash in Python integers for one query (numpy scalars are slow for one-off arithmetic).
 _BASE_INT = int(_BASE)
@@ -171,7 +177,8 @@ class CorpusDrafter(Drafter):
 
     At each position the longest matched order that has a continuation the matcher allows
     decides; the token's confidence is its count's share among the allowed continuations of that
-    order (the K policy calibrates its acceptance per confidence bucket). The proposal goes on
+    order and ``UNSEEN_CONTINUATIONS`` more (the K policy calibrates its acceptance per
+    confidence bucket). The proposal goes on
     while that share is at least ``CHAIN_CONFIDENCE``. Only the output is matched, not the
     prompt: the corpus holds outputs.
     """
@@ -207,7 +214,8 @@ class CorpusDrafter(Drafter):
         return Draft(tokens, states, None, self.name, None, confidence or None)
 
     def _next(self, output: list[int], state: State) -> tuple[int, State, float] | None:
-        """The continuation of the longest matched order the matcher allows, its state and share."""
+        """The continuation of the longest matched order the matcher allows, its state and
+        confidence (its share, an unseen continuation counted)."""
         for _, nexts, counts in self.corpus.continuations(output):
             allowed: list[tuple[int, State, int]] = []
             for token, count in zip(nexts[:MAX_CANDIDATES].tolist(), counts[:MAX_CANDIDATES].tolist()):
@@ -216,7 +224,7 @@ class CorpusDrafter(Drafter):
                     allowed.append((token, nxt, count))
             if allowed:
                 token, nxt, count = allowed[0]
-                return token, nxt, count / sum(c for _, _, c in allowed)
+                return token, nxt, count / (sum(c for _, _, c in allowed) + UNSEEN_CONTINUATIONS)
         return None
 
 
