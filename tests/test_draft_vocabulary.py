@@ -109,6 +109,30 @@ def test_a_draft_model_proposes_from_its_draft_vocabulary_where_a_state_allows_m
     assert not set(proposed) <= allowed
 
 
+def test_a_draft_vocabulary_is_gathered_at_the_first_ask_not_for_a_request_that_never_asks(tmp_path, monkeypatch):
+    """The prompt's rows are gathered when the draft is first asked, once per request: a request
+    where forced text drafts everything (the draft never asked) gathers none."""
+    from constrained_spec import generate_regex
+
+    target, draft = _wide_draft_pair(tmp_path, monkeypatch)
+    monkeypatch.setattr(output_rows, "SUBSET_MAX", 0)
+    monkeypatch.setitem(ModelDrafter.__init__.__kwdefaults__, "vocabulary", 256)
+    gathered: list[list[int]] = []
+    plain = VocabularyRows.with_tokens
+    monkeypatch.setattr(VocabularyRows, "with_tokens", lambda self, tokens: gathered.append(list(tokens)) or plain(self, tokens))
+    asked: list[int] = []
+    plain_propose = ModelDrafter.propose
+    monkeypatch.setattr(ModelDrafter, "propose", lambda self, c, s, k: asked.append(k) or plain_propose(self, c, s, k))
+    forced, prompt = r"hello world\.", "Say hello: "
+    base = generate_regex(target, forced, prompt, drafter="none")
+    assert generate_regex(target, forced, prompt, drafter="hybrid", draft=draft) == base
+    assert not asked and not gathered
+    free = r"[a-z ]{20,60}\."
+    base = generate_regex(target, free, prompt, drafter="none", max_new_tokens=40)
+    assert generate_regex(target, free, prompt, drafter="model", draft=draft, k_max=4, max_new_tokens=40) == base
+    assert len(asked) > 1 and len(gathered) == 1
+
+
 def test_a_draft_vocabulary_keeps_the_sampled_law_exact(monkeypatch):
     """Every state on the draft vocabulary's path (``SUBSET_MAX`` 0), a vocabulary of ids 0..2
     and a prompt holding 1, 2 and 6: the draft never proposes 3 ("ab") or 5 ("ba"), allowed only

@@ -4,6 +4,8 @@ refused on another tokenizer."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -592,3 +594,43 @@ def test_the_hybrid_asks_its_free_parts_most_likely_first(setup):
     for _ in range(20):  # copies rejected at their first token
         policy.update(["copy"], 0, None, 0.0)
     assert names([]) == ["grammar", "lookup", "head", "copy"]
+
+
+def test_a_heads_first_ask_pays_for_feeding_it_the_prompt(setup, monkeypatch):
+    """A head's first ask of a request feeds it every pair of the prompt and output so far. The
+    first request times that per pair; from the next on, ``catch_up_seconds`` prices the first
+    ask by it, and inside auto a catch-up of a second (a head far larger than its steps) is
+    never paid again, where before it was asked (probed) in every request; the output stays
+    target-only's."""
+    from constrained_spec.decoding import AdaptiveK, RecentEstimates
+    from constrained_spec.drafters.hybrid import HybridDrafter
+
+    _, compiled, target, head = setup
+    prompt = [6, 6, 6, 1, 3, 4, 5, 6, 1, 3]
+    ref = decode(target, compiled.matcher(), prompt, max_new_tokens=24)
+    plain_sync = HeadDrafter._sync
+    catch_ups: list[int] = []
+
+    def slow_first_sync(self, last):
+        if self.fed == 0:
+            catch_ups.append(len(self.tokens))
+            time.sleep(1.0)
+        return plain_sync(self, last)
+
+    monkeypatch.setattr(HeadDrafter, "_sync", slow_first_sync)
+    recent = RecentEstimates()
+    fed = []
+    for _ in range(3):
+        m = compiled.matcher()
+        part = HeadDrafter(head, m)
+        res = decode(target, m, prompt, drafter=HybridDrafter([part]), k_policy=AdaptiveK(8, recent=recent),
+                     max_new_tokens=24)
+        assert res.tokens == ref.tokens
+        fed.append(len(catch_ups))
+    assert fed[0] == 1 and fed[2] == 1, fed  # fed once, in the first request only
+    per_pair = recent.draft_timings[head][2]
+    assert per_pair >= 1.0 / catch_ups[0]  # the first ask's second, per pair it fed
+    # Priced before its first ask: the pairs it holds features for, at that rate; nothing after.
+    assert part.catch_up_seconds(prompt) == pytest.approx(len(part.tokens) * per_pair) and part.tokens
+    part.fed = 1
+    assert part.catch_up_seconds(prompt) == 0.0

@@ -343,6 +343,12 @@ class HeadDrafter(Drafter):
         """Sample from the request's generator, so ``seed=`` reproduces the draft too."""
         self.generator = generator
 
+    def catch_up_seconds(self, context: Sequence[int]) -> float:
+        """Before this request's first ask: feeding the head every pair of the prompt and output
+        it has features for, at its measured seconds per pair (0 until a request has timed
+        one); after it, 0 (the pairs an ask catches up on are in its price per ask)."""
+        return 0.0 if self.fed else len(self.tokens) * self.seconds_per_context_token
+
     def set_recent_estimates(self, recent: Any) -> None:
         """Start from the timings the last request with this head left in ``recent`` (so its
         first asks are weighed by what asking cost) and leave this request's there."""
@@ -447,11 +453,12 @@ class HeadDrafter(Drafter):
         self.seconds += t2 - t0
         # What the K policy weighs this drafter by (moving averages): per drafted token and per
         # ask that ran the head, feeding the pairs accepted since the last proposal included (a
-        # head asked rarely catches up on many), the prompt's own pairs not: they are fed once,
-        # at a request's first proposal, whatever follows.
+        # head asked rarely catches up on many); the pairs its first ask feeds (the prompt's and
+        # the output's so far) per pair, which ``catch_up_seconds`` prices the first ask by.
         spent = t2 - (self._t_synced if self._fed_prompt else t0)
+        caught_up = (self.fed, self._t_synced - t0) if self._ran and self._fed_prompt else None
         self.record_ask(self.head, spent, len(draft.tokens), per_ask=self._ran and not self._fed_prompt,
-                        keep=self._ran)
+                        keep=self._ran, caught_up=caught_up)
         return draft
 
     def _propose(self, context: list[int], state: State, k: int, gate: DraftGate | None) -> Draft:

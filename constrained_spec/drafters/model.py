@@ -47,8 +47,11 @@ class ModelDrafter(Drafter):
         #: by ``models.invariant.make_batch_invariant``); None: the full projection only.
         self._subset_logits = getattr(model, "subset_logits", None)
         self.vocabulary_size = vocabulary
-        #: This request's draft vocabulary (``models.output_rows.VocabularyRows``; None: all rows).
+        #: This request's draft vocabulary (``models.output_rows.VocabularyRows``; None: all rows),
+        #: gathered at its first ask (a request that never asks the draft gathers no rows), and
+        #: the prompt it holds the tokens of.
         self._vocabulary: Any = None
+        self._vocabulary_prompt: list[int] | None = None
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Start a fresh cache for a new request: the kind a batch-invariant model names
@@ -59,7 +62,7 @@ class ModelDrafter(Drafter):
         self.cached_ids = []
         self._fed_prompt = False
         self._caught_up = None
-        self._vocabulary = self._draft_vocabulary(prompt_ids)
+        self._vocabulary, self._vocabulary_prompt = None, list(prompt_ids)
 
     def _draft_vocabulary(self, prompt_ids: list[int]) -> Any:
         """The leading ids and the prompt's tokens (a copy of a value the draft must be able to
@@ -132,6 +135,8 @@ class ModelDrafter(Drafter):
     def _vocabulary_for(self, mask: torch.Tensor) -> Any:
         """The draft vocabulary where it holds a token ``mask`` allows besides the end (which a
         draft never proposes), else None (the full projection)."""
+        if self._vocabulary_prompt is not None:
+            self._vocabulary, self._vocabulary_prompt = self._draft_vocabulary(self._vocabulary_prompt), None
         vocabulary = self._vocabulary
         if vocabulary is None:
             return None
