@@ -15,7 +15,8 @@ import torch
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
 from constrained_spec.decoding import FixedK, decode
 from constrained_spec.drafters import ModelDrafter
-from constrained_spec.models.invariant import OUTPUT_BUCKET, ROW_BUCKET, BucketedLinear, RowSplit, make_batch_invariant
+from constrained_spec.models.bucketed_linear import OUTPUT_BUCKET, ROW_BUCKET, BucketedLinear, RowSplit
+from constrained_spec.models.invariant import make_batch_invariant
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]

@@ -81,7 +81,7 @@ def test_decoding_takes_both_paths_and_greedy_identity_holds(smol, monkeypatch):
 
 @torch.no_grad()
 def test_a_bucketed_output_layer_with_a_bias_keeps_it_on_the_subset_path():
-    from constrained_spec.models.invariant import BucketedLinear, RowSplit
+    from constrained_spec.models.bucketed_linear import BucketedLinear, RowSplit
 
     model = tiny_llama(300, seed=6)
     linear = torch.nn.Linear(32, 300, bias=True, dtype=torch.float64)

@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from constrained_spec.models import growing_cache as growing_cache_module
 from constrained_spec.models import invariant
-from constrained_spec.models.invariant import LONG_CONTEXT, _allowed, attend_new_rows
+from constrained_spec.models.growing_cache import LONG_CONTEXT
+from constrained_spec.models.invariant import _allowed, attend_new_rows
 
 HEADS, KV_HEADS, DIM, CAP = 9, 3, 64, 3072
 SCALE = DIM ** -0.5
@@ -171,7 +173,7 @@ def test_threshold_is_read_at_call_time(monkeypatch):
     """Tests elsewhere move ``LONG_CONTEXT`` into a short prompt; the caches and attention follow."""
     from constrained_spec.models.growing_cache import GrowingLayer
 
-    monkeypatch.setattr(invariant, "LONG_CONTEXT", 40)
+    monkeypatch.setattr(growing_cache_module, "LONG_CONTEXT", 40)
     layer = GrowingLayer(torch.float64)
     x = torch.randn(1, KV_HEADS, 50, DIM)
     layer.update(x, x)

@@ -122,7 +122,7 @@ def test_prompt_rows_take_the_dense_path_and_new_rows_keep_their_bits(dense_dtyp
     chooses), short ones and every new row through the kernel, so a new row has the same bits
     whatever prompt rows share its forward."""
     from constrained_spec.models.int4 import MIN_DENSE_ROWS
-    from constrained_spec.models.invariant import RowSplit
+    from constrained_spec.models.bucketed_linear import RowSplit
 
     n, k = 64, 128
     raw = random_q4_1(n, k, seed=5)
@@ -151,19 +151,21 @@ def test_prompt_rows_take_the_dense_path_and_new_rows_keep_their_bits(dense_dtyp
 
 def test_prompt_rows_are_multiplied_in_bfloat16_only_where_the_cpu_has_it(monkeypatch, tmp_path):
     """The dense dtype follows the CPU's flags (the same choice in every run on a machine)."""
-    from constrained_spec.models import int4
+    from constrained_spec.models import cpu_kernels, int4
 
     for flags, expected in (("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16 avx512f", True), ("fpu avx512f avx2", False)):
         info = tmp_path / "cpuinfo"
         info.write_text(f"processor : 0\nflags : {flags}\n")
-        real = int4.Path
-        monkeypatch.setattr(int4, "Path", lambda p: real(info) if p == "/proc/cpuinfo" else real(p))
+        real = cpu_kernels.Path
+        monkeypatch.setattr(cpu_kernels, "Path", lambda p: real(info) if p == "/proc/cpuinfo" else real(p))
+        cpu_kernels.cpu_flags.cache_clear()
         int4.bfloat16_matmul_in_hardware.cache_clear()
         try:
             assert int4.bfloat16_matmul_in_hardware() is (expected and torch.ops.mkldnn._is_mkldnn_bf16_supported())
             assert int4.prompt_matmul_dtype() is (torch.bfloat16 if int4.bfloat16_matmul_in_hardware() else torch.float32)
         finally:
-            monkeypatch.setattr(int4, "Path", real)
+            monkeypatch.setattr(cpu_kernels, "Path", real)
+            cpu_kernels.cpu_flags.cache_clear()
             int4.bfloat16_matmul_in_hardware.cache_clear()
 
 
@@ -284,10 +286,10 @@ def test_native_forward_is_batch_invariant(native_and_tokens):
 def test_native_forward_is_batch_invariant_past_long_context(native_and_tokens, monkeypatch, where):
     """The same with ``LONG_CONTEXT`` moved into this short prompt, so the new rows attend in
     float32 blocks (all of them, or those past the threshold in a pass that straddles it)."""
-    from constrained_spec.models import invariant
+    from constrained_spec.models import growing_cache as growing_cache_module
 
     _, prompt, _ = native_and_tokens
-    monkeypatch.setattr(invariant, "LONG_CONTEXT", len(prompt) - 10 if where.startswith("before") else len(prompt) + 6)
+    monkeypatch.setattr(growing_cache_module, "LONG_CONTEXT", len(prompt) - 10 if where.startswith("before") else len(prompt) + 6)
     _check_batch_invariance(native_and_tokens)
 
 
@@ -331,8 +333,9 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
     length with the attention kernel; checked that it ran) and the Python loop. With the layer
     kernels (``models.layer_kernels``) and with torch's ops in their place; and on a bfloat16 cache
     (``CONSTRAINED_SPEC_KV_CACHE=bfloat16``), which the kernels read and write as it is."""
-    from constrained_spec.models.growing_cache import growing_cache
     from constrained_spec.models import attention_kernel, invariant, layer_kernels, native_decode
+    from constrained_spec.models import growing_cache as growing_cache_module
+    from constrained_spec.models.growing_cache import growing_cache
 
     if layer_ops == "torch":
         monkeypatch.setattr(layer_kernels, "usable", lambda x: False)
@@ -342,7 +345,7 @@ def test_native_decode_path_equals_transformers_forward_bit_for_bit(native_and_t
     if kv_cache is not None and (long_context or layer_ops == "torch" or not attention_kernel.enabled()):
         pytest.skip("the bfloat16 cache is checked with the kernels, before LONG_CONTEXT")
     if long_context:
-        monkeypatch.setattr(invariant, "LONG_CONTEXT", len(native_and_tokens[1]) // 2)
+        monkeypatch.setattr(growing_cache_module, "LONG_CONTEXT", len(native_and_tokens[1]) // 2)
     stacks = []
     compiled = native_decode.scripted_stack
     # Without the scripted stack (as where torch cannot script it), the flat path runs its Python loop.
@@ -467,7 +470,7 @@ def test_bench_runs_precisions_side_by_side(monkeypatch):
 def test_bfloat16_load_is_batch_invariant(smol):
     """A half-precision model is made invariant on load (its stock CPU kernels flipped greedy
     tokens on 2 of 6 bench prompts): every linear layer row-bucketed, the lm_head included."""
-    from constrained_spec.models.invariant import BucketedLinear
+    from constrained_spec.models.bucketed_linear import BucketedLinear
 
     bf16 = load_model(precision="bfloat16")
     assert bf16.model.batch_invariant and bf16.precision == "bfloat16"

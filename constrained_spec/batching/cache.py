@@ -46,7 +46,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from ..models import invariant
+from ..models import growing_cache as kv_cache
 from ..models.heap import trim_heap
 from .packing import PackedRows
 
@@ -145,7 +145,7 @@ class RowCache(Cache):
     def shelf_dtype(self, cap: int) -> torch.dtype | None:
         """The dtype of the shelf of capacity ``cap``: float32 past ``LONG_CONTEXT`` positions
         (attention reads those rows in float32, ``models.invariant``), else ``dtype``."""
-        return torch.float32 if self.dtype == torch.float64 and cap > invariant.LONG_CONTEXT else self.dtype
+        return torch.float32 if self.dtype == torch.float64 and cap > kv_cache.LONG_CONTEXT else self.dtype
 
     def footprint_bytes(self, positions: list[int], values_per_position: int, default_size: int) -> int:
         """Bytes the shelves allocate at most for rows of these sizes, ``values_per_position``

@@ -97,11 +97,13 @@ class ProcessChoice:
         return self._chosen
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (empty where ``/proc/cpuinfo`` cannot be read)."""
-    from .int4 import _cpu_flags  # here, not at the top: int4 imports the kernels' modules
-
-    return set(_cpu_flags())
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where ``/proc/cpuinfo`` cannot be read), read once."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
 
 
 def build(source: str, needs: tuple[str, ...], extra_flags: tuple[str, ...] = (), warn: bool = True, *,

@@ -8,7 +8,7 @@ of kernels with one launch (docs/performance.md, CUDA graphs, has the figures).
 A graph replays fixed shapes on fixed addresses, so what it records is a *static* forward:
 - rows: the forward's new tokens are padded to a bucket of ``ROW_BUCKETS`` rows (token 0 at
   the positions after them). Padding changes no bit of the real rows: every linear layer
-  already computes its rows in zero-padded blocks of ``invariant.ROW_BUCKET`` rows (so the
+  already computes its rows in zero-padded blocks of ``bucketed_linear.ROW_BUCKET`` rows (so the
   buckets stop there), norms are per row, and attention is causal, so a real row never sees
   a padded one;
 - keys: attention reads a bucket of ``keys`` positions (a power of two from ``MIN_KEYS``) of
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-#: Row buckets of a graphed forward (at most ``invariant.ROW_BUCKET``: the linear layers' block).
+#: Row buckets of a graphed forward (at most ``bucketed_linear.ROW_BUCKET``: the linear layers' block).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 #: The smallest key bucket; the others double up to the runner's capacity.
 MIN_KEYS = 256

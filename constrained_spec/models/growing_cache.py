@@ -29,8 +29,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from . import invariant
-
+#: Query rows at this position or later attend in float32 (``models.invariant.attend_new_rows``),
+#: earlier ones in float64; the caches keep a row's keys in float32 once it holds more positions
+#: than this.
+LONG_CONTEXT = 2048
 #: Positions a layer's buffer holds at first (a prompt longer than this sizes it).
 INITIAL_CAPACITY = 256
 
@@ -65,7 +67,7 @@ class GrowingLayer(DynamicLayer):
             new *= 2
         b, heads, _, dim = like_k.shape
         dtype_k, dtype_v = self.store_dtype or like_k.dtype, self.store_dtype or like_v.dtype
-        if new > invariant.LONG_CONTEXT and dtype_k == torch.float64:  # past it, attention reads float32 keys
+        if new > LONG_CONTEXT and dtype_k == torch.float64:  # past it, attention reads float32 keys
             dtype_k = dtype_v = torch.float32
         # Zeros: attention's float32 blocks read whole key blocks past the held positions.
         k = torch.zeros(b, heads, new, dim, dtype=dtype_k, device=like_k.device)

@@ -35,14 +35,13 @@ multiplies bfloat16 the dense blocks are also about twice as fast; docs/extracti
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import dense_blocks, q4_vnni
+from . import cpu_kernels, dense_blocks, q4_vnni
 from .dense_blocks import PackedLinear
 from .shared_input import SharedInputCall
 from .threads import at_dense_threads, dense_threads
@@ -52,19 +51,12 @@ GROUP = 32
 Q4_1_BLOCK_BYTES = 20
 
 
-def _cpu_flags() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return []
-
-
 #: Per dense dtype, prompt segments shorter than this stay on the kernel: the dense path reads
 #: every layer's weights (the float32 one converts them first), which a few rows do not repay.
 #: Each threshold is the measured crossover for a prompt pass between decode steps, whose kernel
 #: weights are warm and whose dense weights are not: lower where AMX multiplies bfloat16 (see
 #: docs/performance.md, prompt rows).
-MIN_DENSE_ROWS = {torch.bfloat16: 32 if "amx_bf16" in _cpu_flags() else 64, torch.float32: 48}
+MIN_DENSE_ROWS = {torch.bfloat16: 32 if "amx_bf16" in cpu_kernels.cpu_flags() else 64, torch.float32: 48}
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,7 +64,7 @@ def bfloat16_matmul_in_hardware() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (the ``avx512_bf16`` or ``amx_bf16``
     flag), where oneDNN's bfloat16 matmul beats float32. Read from the flags, not timed, so the
     choice (and with it a prompt's bits) is the same in every run on one machine."""
-    flags = _cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         return False
     # oneDNN must be built with bfloat16 too (a private query; a torch without it: assume so).
@@ -83,7 +75,7 @@ def bfloat16_matmul_in_hardware() -> bool:
 def amx_bfloat16() -> bool:
     """Whether AMX multiplies bfloat16 here (and oneDNN with it): where the bfloat16 prompt paths
     beat the integer kernel and float32 attention (docs/extraction.md)."""
-    return "amx_bf16" in _cpu_flags() and bfloat16_matmul_in_hardware()
+    return "amx_bf16" in cpu_kernels.cpu_flags() and bfloat16_matmul_in_hardware()
 
 
 def prompt_matmul_dtype() -> torch.dtype:
@@ -117,7 +109,7 @@ class Int4Linear(nn.Module):
     Inputs of any float dtype are rounded to bfloat16 for the kernel; the output comes back in
     the input's dtype. ``packed``: uint8 ``[N, K/2]`` in the kernel's layout; ``scales_and_zeros``:
     bfloat16 ``[K/32, N, 2]``. ``prompt_weight`` (bfloat16 ``[N, K]``), ``rows`` (a
-    ``models.invariant.RowSplit``) and ``prompt_dtype`` (``prompt_matmul_dtype()`` unless set):
+    ``models.bucketed_linear.RowSplit``) and ``prompt_dtype`` (``prompt_matmul_dtype()`` unless set):
     the dense path of prompt rows (see the module docstring). ``vnni``: the same weights in
     ``models.q4_vnni``'s layout (``pack``), which then computes every kernel row instead, with
     activations split into two int8 parts (``vnni_split``, about 15 bits) or rounded to one; such

@@ -44,134 +44,14 @@ import torch
 from torch import nn
 
 from . import attention_kernel, layer_kernels, prompt_attention_kernel
+from . import growing_cache as kv_cache
+from .bucketed_linear import OUTPUT_BUCKET, BucketedLinear, RowSplit, prompt_segments
 
 IMPLEMENTATION = "constrained_spec_invariant"
-#: Rows per matmul call of a ``BucketedLinear``: a verify pass holds the last token and at most
-#: K_max drafts (12 on GPUs), so one block serves every step.
-ROW_BUCKET = 32
-#: Rows per block of the CPU output projection (see the module docstring).
-OUTPUT_BUCKET = 8
-#: Query rows at this position or later attend in float32 (``attend_new_rows``), earlier ones in
-#: float64; the caches keep a row's keys in float32 once it holds more positions than this.
-LONG_CONTEXT = 2048
 #: The float32 path's fixed shapes: query rows per call, and the key block it pads keys to (the
 #: CPU flash kernel's key block, so a padded block changes no bit of the blocks before it).
 F32_QUERY_BLOCK = 8
 F32_KEY_BLOCK = 512
-
-
-class RowSplit:
-    """Which rows of the forward under way are prompt rows, shared by a model's routed linear
-    layers and norms and set from the forward's ``prompt_rows=`` by a hook: an int (the
-    sequence's leading rows, a request's own pass) or a list of ``(start, length)`` segments (a
-    batch engine's packed step, where each joining request's prompt sits among other rows)."""
-
-    __slots__ = ("segments",)
-
-    def __init__(self) -> None:
-        self.segments: list[tuple[int, int]] = []
-
-    @property
-    def prompt_rows(self) -> int:
-        """Prompt rows in all (for tests and figures)."""
-        return sum(n for _, n in self.segments)
-
-    def install(self, model: Any) -> None:
-        """Track ``prompt_rows`` on ``model``'s decoder stack (the output projection after it
-        sees only output rows, so the segments are cleared once the stack is done)."""
-        stack = getattr(model, "base_model", model)
-
-        def enter(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
-            self.segments = prompt_segments(kwargs.get("prompt_rows"))
-
-        def leave(*_: Any) -> None:
-            self.segments = []
-
-        stack.register_forward_pre_hook(enter, with_kwargs=True)
-        stack.register_forward_hook(leave)
-
-    def pieces(self, rows: int) -> list[tuple[int, int, bool]]:
-        """``(start, end, is_prompt)`` runs covering rows ``0 .. rows - 1`` in order."""
-        out, at = [], 0
-        for start, length in self.segments:
-            start, end = min(start, rows), min(start + length, rows)
-            if start > at:
-                out.append((at, start, False))
-            if end > start:
-                out.append((start, end, True))
-            at = max(at, end)
-        if at < rows:
-            out.append((at, rows, False))
-        return out
-
-    def apply(self, x: torch.Tensor, prompt: Callable[[torch.Tensor], torch.Tensor],
-              new: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``prompt`` on each prompt segment of ``x`` (``[..., seq, d]``, along ``seq``), ``new``
-        on the other rows (all at once when they are contiguous), results in row order."""
-        pieces = self.pieces(x.shape[-2]) if x.dim() >= 2 else [(0, 0, False)]
-        if not pieces or len(pieces) == 1:  # no rows, or all of one kind: no split, no copy
-            return (prompt if pieces and pieces[0][2] else new)(x)
-        if sum(not p for _, _, p in pieces) <= 1:  # new rows in one run, if any
-            return torch.cat([(prompt if p else new)(x[..., s:e, :]) for s, e, p in pieces], dim=-2)
-        # New rows in several runs (a packed step): one call over all of them, then interleave.
-        new_idx = torch.cat([torch.arange(s, e) for s, e, p in pieces if not p]).to(x.device)
-        out_new = new(x.index_select(-2, new_idx))
-        parts, at = [], 0
-        for s, e, p in pieces:
-            if p:
-                parts.append(prompt(x[..., s:e, :]))
-            else:
-                parts.append(out_new[..., at : at + e - s, :])
-                at += e - s
-        return torch.cat(parts, dim=-2)
-
-
-def prompt_segments(prompt_rows: int | list[tuple[int, int]] | None) -> list[tuple[int, int]]:
-    """``prompt_rows=`` as ``(start, length)`` segments."""
-    if not prompt_rows:
-        return []
-    if isinstance(prompt_rows, int):
-        return [(0, prompt_rows)]
-    return [(int(s), int(n)) for s, n in prompt_rows if n]
-
-
-class BucketedLinear(nn.Module):
-    """A linear layer whose non-prompt rows go through the matmul in zero-padded blocks of exactly
-    ``bucket`` rows, so each row's result does not depend on how many rows the forward has
-    (see the module docstring). Prompt rows take one plain matmul. Same parameters as the layer.
-    ``transposed``: compute each block as ``W @ X.T`` (the CPU output projection)."""
-
-    def __init__(self, linear: nn.Linear, rows: RowSplit, *, bucket: int = ROW_BUCKET, transposed: bool = False) -> None:
-        super().__init__()
-        self.linear = linear
-        self.rows = rows
-        self.bucket = bucket
-        self.transposed = transposed
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The wrapped layer's weight (transformers reads the output embeddings' weight)."""
-        return self.linear.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[..., K]`` -> ``[..., N]``."""
-        return self.rows.apply(x, self.linear, self._bucketed)
-
-    def _bucketed(self, new: torch.Tensor) -> torch.Tensor:
-        flat = new.reshape(-1, new.shape[-1])
-        n = flat.shape[0]
-        if n == 0:  # a forward whose rows all have one allowed token asks for no logits
-            return self.linear(new)
-        padded = torch.nn.functional.pad(flat, (0, 0, 0, -n % self.bucket))
-        blocks = padded.split(self.bucket)
-        if self.transposed:
-            w, bias = self.linear.weight, self.linear.bias
-            out = torch.cat([torch.mm(w, block.t()).t() for block in blocks])[:n]
-            if bias is not None:
-                out = out + bias
-        else:
-            out = torch.cat([self.linear(block) for block in blocks])[:n]
-        return out.reshape(*new.shape[:-1], out.shape[-1])
 
 
 def float64_variance(x: torch.Tensor) -> torch.Tensor:
@@ -373,10 +253,10 @@ def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv = key.shape[2]
     gqa = key.shape[1] != query.shape[1]
     # On a GPU the fused kernels' shapes are not this module's to fix: float64 everywhere.
-    if kv <= LONG_CONTEXT or query.device.type != "cpu":  # (on the CPU: every row before LONG_CONTEXT)
+    if kv <= kv_cache.LONG_CONTEXT or query.device.type != "cpu":  # (on the CPU: every row before LONG_CONTEXT)
         return _float64_rows(query, key, value, allowed, scale, gqa)
     given = allowed
-    allowed, long, seen = _remembered("rows", given, (query.shape[2], kv, LONG_CONTEXT, query.device),
+    allowed, long, seen = _remembered("rows", given, (query.shape[2], kv, kv_cache.LONG_CONTEXT, query.device),
                                       lambda: _row_positions(given, query.shape[2], kv, query.device))
     if long is None:  # no row at LONG_CONTEXT or later
         return _float64_rows(query, key, value, allowed, scale, gqa)
@@ -397,7 +277,7 @@ def _row_positions(allowed: torch.Tensor | None, rows: int, kv: int,
         allowed = torch.ones(rows, kv, dtype=torch.bool, device=device)
     # Each row's position: the keys it sees, less one (causal rows see 0 .. position).
     positions = allowed.sum(-1) - 1  # [r] or [b, 1, r]
-    long = positions >= LONG_CONTEXT
+    long = positions >= kv_cache.LONG_CONTEXT
     if not bool(long.any()):
         return allowed, None, 0
     if bool(long.all()):
@@ -627,7 +507,5 @@ def _cache_factory(model: Any) -> Callable[[], Any]:
     """A maker of fresh KV caches of the kind the decoder gives this model
     (``models.growing_cache`` in ``cache_dtype``), for other callers of its forwards (a draft
     model's drafter): a native model's scripted loop runs only on such a cache."""
-    from .growing_cache import growing_cache
-
     layers = model.config.num_hidden_layers
-    return lambda: growing_cache(layers, cache_dtype(model))
+    return lambda: kv_cache.growing_cache(layers, cache_dtype(model))

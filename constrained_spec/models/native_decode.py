@@ -37,6 +37,7 @@ from torch.nn import functional as F
 
 from .int4 import GROUP, Int4Linear, Int4Part
 from . import attention_kernel, invariant, layer_kernels
+from . import growing_cache as kv_cache
 from . import cpu_kernels  # noqa: F401  (defines the ops the scripted stack names)
 from .invariant import _allowed, attend_new_rows, float64_variance
 
@@ -257,7 +258,7 @@ class NativeDecode:
         before ``LONG_CONTEXT`` (the float64 path) or the attention kernel on, and a cache whose layers let their buffers
         be written (``GrowingLayer.room_for``), each already holding positions of this request."""
         return (self._scriptable and device.type == "cpu"
-                and (positions <= invariant.LONG_CONTEXT or self.shape.row_kernel)
+                and (positions <= kv_cache.LONG_CONTEXT or self.shape.row_kernel)
                 and len(cache.layers) == len(self.layers)
                 and all(hasattr(layer, "room_for") and layer.get_seq_length() > 0 for layer in cache.layers))
 

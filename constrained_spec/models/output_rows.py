@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .invariant import BucketedLinear
+from .bucketed_linear import BucketedLinear
 from .q8_output import Q8OutputProjection
 from .quant_linear import QuantLinear
 

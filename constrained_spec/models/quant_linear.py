@@ -21,7 +21,7 @@ products are exact, and each block adds its terms in float32.
 ``dense`` (F32, F16, BF16 files; and the fallback where the VNNI kernels do not build, with a
 warning once: the quantized forms then dequantize to float32 exactly) multiplies in float32 as
 ``W @ X.T`` over the rows zero-padded to blocks of exactly ``DENSE_ROWS``, one matmul shape
-whatever the row count (``models.invariant.BucketedLinear``'s idea), so a row's bits do not
+whatever the row count (``models.bucketed_linear.BucketedLinear``'s idea), so a row's bits do not
 depend on the rows beside it.
 
 Every path is batch-invariant: a row's output has the same bits alone or among any rows, at any
