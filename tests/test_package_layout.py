@@ -49,8 +49,7 @@ def _relative_targets(parts: list[str], node: ast.ImportFrom) -> list[list[str]]
 def _exists(target: list[str]) -> bool:
     """Whether ``target`` is a module or package of ``constrained_spec``, or a name its parent
     package's ``__init__`` defines or imports."""
-    path = ROOT.joinpath(*target)
-    if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+    if _is_module(target):
         return True
     init = ROOT.joinpath(*target[:-1], "__init__.py")
     return init.is_file() and target[-1] in init.read_text()
@@ -105,6 +104,7 @@ def _module_graph() -> dict[str, set[str]]:
 
 
 def _is_module(target: list[str]) -> bool:
+    """Whether ``target`` is a module or package of ``constrained_spec``."""
     path = ROOT.joinpath(*target)
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 

@@ -32,7 +32,7 @@ from ..drafters.factory import build_drafter
 from ..models import resolve_model
 from ..models.layer_subset import layer_subset
 from ..models.output_rows import allowed_subset, project_rows
-from .single import DEFAULT_PROMPTS, _workload_items
+from .single import DEFAULT_PROMPTS, workload_items
 
 #: Largest K a bound considers (the decoder's own cap on the largest hardware profile).
 K_MAX = 12
@@ -135,7 +135,7 @@ def run_self_draft_bench(model: Any = None, *, workload: str = "generation", pro
     handle = resolve_model(model)
     target = handle.model
     sets = layer_sets(len(target.base_model.layers))
-    items = _workload_items(workload, prompts, limit)
+    items = workload_items(workload, prompts, limit)
     totals = {s.name: [0, 0] for s in sets}
     for n, item in enumerate(items, 1):
         compiled = compile_constraint(item["schema"], handle.tokenizer, kind="json")

@@ -325,7 +325,7 @@ def run_bench(
     handles = _handles(model, precisions)
     labels = list(handles)
     handle = handles[labels[0]]
-    items = _workload_items(workload, prompts, limit)
+    items = workload_items(workload, prompts, limit)
     configs = configs or default_configs(head=has_shipped_head(handle))
     figures = {_label(labels, p, c): ConfigFigures(_label(labels, p, c)) for p in labels for c in configs}
     references = _references(handle, max_new_tokens, outlines_reference, llama_cpp)
@@ -360,7 +360,7 @@ def _handles(model: Any, precisions: tuple[str, ...] | None) -> dict[str, ModelH
     return {h.precision: h}
 
 
-def _workload_items(workload: str, prompts: Path | str, limit: int | None) -> list[dict[str, Any]]:
+def workload_items(workload: str, prompts: Path | str, limit: int | None) -> list[dict[str, Any]]:
     """The prompts of ``workload``: the extraction prompts, or held-out schemas to generate from."""
     if workload == "generation":  # held-out schemas (Glaiveai2K): never seen by a trained head
         from ..pipelines.drafter_data import generation_workload
