@@ -29,6 +29,27 @@ def test_training_prompts_never_use_the_held_out_subset_and_have_both_kinds():
     assert not {json.dumps(r["schema"], sort_keys=True) for r in held} & {json.dumps(r["schema"], sort_keys=True) for r in rows}
 
 
+@needs_data
+def test_training_prompts_carry_their_schemas_valid_instances_as_references():
+    """A generation prompt's references are its schema's valid instances, an extraction prompt's
+    the one instance its document describes; every one is valid against the schema; the
+    held-out prompts carry none."""
+    import jsonschema
+
+    from constrained_spec.pipelines.drafter_data import describe
+
+    rows = [r for r in training_prompts(DATA, per_subset=3) if not r["id"].startswith("repo/")]
+    with_refs = [r for r in rows if r.get("references")]
+    assert len(with_refs) >= len(rows) * 0.8
+    for r in with_refs:
+        for answer in r["references"]:
+            jsonschema.validate(answer, r["schema"])
+        if r["kind"] == "extraction":
+            assert len(r["references"]) == 1 and "\n".join(describe(r["references"][0]))[:200] in r["prompt"]
+    assert any(len(r["references"]) > 1 for r in with_refs if r["kind"] == "generation")
+    assert not any("references" in r for r in generation_workload(DATA, limit=3))
+
+
 def test_train_drafter_saves_a_head_that_draft_dir_loads(smol, tmp_path):
     from constrained_spec import generate_json
 
@@ -84,6 +105,35 @@ def test_train_drafter_corpus_only_writes_the_greedy_outputs_corpus(smol, tmp_pa
     phone = generate_regex(smol, rows[0]["regex"], rows[0]["prompt"], drafter="none", max_new_tokens=24)
     assert smol.tokenizer.decode(sequences[0], skip_special_tokens=True) == phone
     assert json.loads(res.stdout[res.stdout.index("{"):])["corpus_tokens"] == len(corpus)
+
+
+def test_train_drafter_reads_a_lines_references_instead_of_decoding_it(smol, tmp_path):
+    """A line with references is read (its outputs are the references, the one the schema
+    refuses skipped); with --references 0 it is decoded like a line without."""
+    import torch
+
+    data = tmp_path / "data.jsonl"
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "rooms": {"type": "integer"}},
+              "required": ["city", "rooms"]}
+    rows = [{"prompt": "Write an example flat as JSON.", "schema": schema,
+             "references": [{"city": "Lyon", "rooms": 3}, {"town": "Lyon"}, {"city": "Oslo", "rooms": 12}]},
+            {"prompt": "Give a US phone number.", "regex": r"\(\d{3}\) \d{3}-\d{4}", "references": ["(555) 123-4567"]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["train-drafter", "--data", str(data), "--steps", "2", "--max-new-tokens", "24", "--sampled", "0"]
+    res = runner.invoke(app, args + ["--out", str(tmp_path / "read")])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout[res.stdout.index("{"):])["skipped"] == ["line 1: reference 2 is not accepted by its "
+                                                                         "json constraint"]
+    saved = torch.load(tmp_path / "read" / "outputs.pt", weights_only=False)["outputs"]
+    texts = [(i, smol.tokenizer.decode(toks)) for i, toks, _, _ in saved]
+    assert [(i, json.loads(t) if i == 0 else t) for i, t in texts] == [
+        (0, {"city": "Lyon", "rooms": 3}), (0, {"city": "Oslo", "rooms": 12}), (1, "(555) 123-4567")]
+    res = runner.invoke(app, args + ["--out", str(tmp_path / "decoded"), "--references", "0"])
+    assert res.exit_code == 0, res.output
+    saved = torch.load(tmp_path / "decoded" / "outputs.pt", weights_only=False)["outputs"]
+    assert sorted(i for i, *_ in saved) == [0, 1]  # one greedy output each
+    res = runner.invoke(app, args + ["--out", str(tmp_path / "x"), "--references", "-1"])
+    assert res.exit_code == 2 and "Invalid references" in res.output
 
 
 @needs_data

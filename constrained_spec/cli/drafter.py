@@ -21,7 +21,8 @@ def drafter_data_cmd(
     kinds: str = typer.Option("generation,extraction", "--kinds", help="The kinds of prompts written (generation, extraction or both, comma-separated); the repository's examples are extraction prompts."),
 ) -> None:
     """Write training prompts for train-drafter: generation and extraction prompts from every
-    JSONSchemaBench subset except Glaiveai2K (kept for evaluation), and the repository's examples."""
+    JSONSchemaBench subset except Glaiveai2K (kept for evaluation), with their schemas' valid
+    instances as references, and the repository's examples."""
     def go() -> None:
         from ..pipelines.drafter_data import PROMPT_KINDS, training_prompts, write_jsonl
 
@@ -55,17 +56,18 @@ def train_drafter_cmd(
     lr: float = typer.Option(5e-4, "--lr", help="AdamW learning rate."),
     resume: bool = typer.Option(True, "--resume/--fresh", help="Take up a checkpoint in --out from the same data and options."),
     batch: Optional[int] = typer.Option(None, "--batch", help="Training outputs decoded at once in the batch engine (default 16; 1: one at a time)."),
+    references: Optional[int] = typer.Option(None, "--references", help="Answers read per prompt line that has \"references\" (default 4; 0: decode every line): one target forward reads a whole answer, where decoding pays one per step."),
     seed: int = typer.Option(0, "--seed"),
     corpus_only: bool = typer.Option(False, "--corpus-only", help="Only decode the prompts greedily and write the corpus of the target's outputs to --out (no head; no budget needed)."),
 ) -> None:
-    """Train a grammar-masked draft head for the target on its own constrained outputs
-    (on-policy distillation, EAGLE-3 style; see pipelines.train_drafter), and write the corpus
-    of those outputs beside it (drafters.corpus)."""
+    """Train a grammar-masked draft head for the target on its own masked law, along its
+    constrained outputs and the data's references (EAGLE-3 style; see pipelines.train_drafter),
+    and write the corpus of the decoded outputs beside it (drafters.corpus)."""
     def go() -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         from ..models import load_model
-        from ..pipelines.train_drafter import DECODE_BATCH, TrainProgress, build_corpus, train_drafter
+        from ..pipelines.train_drafter import DECODE_BATCH, REFERENCES, TrainProgress, build_corpus, train_drafter
 
         if minutes is None and steps is None and not corpus_only:
             raise InvalidOptionError("Invalid training budget: give --minutes or --steps.")
@@ -78,8 +80,9 @@ def train_drafter_cmd(
 
             def progress(p: TrainProgress) -> None:
                 if p.phase not in tasks:
-                    tasks[p.phase] = bar.add_task({"decode": "decoding", "train": "training"}[p.phase], total=p.total,
-                                                  info="")
+                    tasks[p.phase] = bar.add_task({"decode": "decoding", "references": "reading references",
+                                                   "train": "training"}[p.phase], total=p.total,
+                                                   info="")
                 info = "" if p.loss is None else (f"loss {p.loss:.3f}  held-out acceptance {p.agreement:.3f} (best {p.best:.3f})"
                                                   + (f", where lookup misses {p.hard:.3f}" if p.hard is not None else ""))
                 bar.update(tasks[p.phase], completed=p.done, total=max(p.total, p.done), info=info)
@@ -94,7 +97,7 @@ def train_drafter_cmd(
             report = train_drafter(handle, prompts, where, minutes=minutes, steps=steps, draft_vocab=draft_vocab,
                                    sampled=sampled, max_new_tokens=max_new_tokens, limit=limit, seed=seed,
                                    unroll=unroll, lr=lr, resume=resume, batch=DECODE_BATCH if batch is None else batch,
-                                   progress=progress)
+                                   references=REFERENCES if references is None else references, progress=progress)
         _report({k: v for k, v in dataclasses.asdict(report).items() if k != "losses"} | {"out": str(where)}, None)
 
     _run_guarded(go)

@@ -10,7 +10,9 @@ Two kinds of prompt, because a drafter meets both:
 Training data comes from the JSONSchemaBench subsets *except* Glaiveai2K, which is reserved for
 evaluation (``generation_workload`` builds the bench's held-out prompts from it), and from the
 repository's own example prompts. Schemas are kept small enough that a prompt stays a few
-hundred tokens.
+hundred tokens. A training row carries its schema's valid instances as ``references`` (for an
+extraction prompt, the instance its document describes): answers the target's prompt pass can
+read in one forward, where decoding one costs a forward a token (``pipelines.train_drafter``).
 """
 
 from __future__ import annotations
@@ -81,9 +83,11 @@ def subsets(data_dir: Path) -> list[str]:
 
 
 def schema_prompts(data_dir: Path, subset_names: list[str], *, per_subset: int, seed: int = 0,
-                   kinds: tuple[str, ...] = PROMPT_KINDS) -> list[dict[str, Any]]:
+                   kinds: tuple[str, ...] = PROMPT_KINDS, references: bool = False) -> list[dict[str, Any]]:
     """Up to ``per_subset`` prompts of each kind from each named subset (small object schemas,
-    a seeded sample); rows ``{"id", "kind", "prompt", "schema"}``."""
+    a seeded sample); rows ``{"id", "kind", "prompt", "schema"}``, with ``references`` also
+    ``"references"`` where the schema has valid instances: all of them for a generation prompt,
+    the one its document describes for an extraction prompt."""
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     for subset in subset_names:
@@ -91,18 +95,22 @@ def schema_prompts(data_dir: Path, subset_names: list[str], *, per_subset: int, 
                       if isinstance(r["schema"], dict) and r["schema"].get("type") == "object"
                       and len(_compact(r["schema"])) <= MAX_SCHEMA_CHARS]
         rng.shuffle(candidates)
-        instances = _instances(data_dir, subset) if "extraction" in kinds else {}
+        instances = _instances(data_dir, subset) if "extraction" in kinds or references else {}
         for kind in kinds:
             pool = candidates if kind == "generation" else [r for r in candidates if instances.get(r["id"])]
             for r in pool[:per_subset]:
                 schema = _compact(r["schema"])
+                answers = instances.get(r["id"], [])
                 if kind == "generation":
                     prompt = GENERATION_TEMPLATE.format(schema=schema)
                 else:
-                    instance = instances[r["id"]][0]
-                    document = "\n".join(describe(instance))[:MAX_SCHEMA_CHARS]
+                    answers = answers[:1]
+                    document = "\n".join(describe(answers[0]))[:MAX_SCHEMA_CHARS]
                     prompt = EXTRACTION_TEMPLATE.format(schema=schema, document=document)
-                rows.append({"id": f"{subset}/{r['id']}/{kind}", "kind": kind, "prompt": prompt, "schema": r["schema"]})
+                row = {"id": f"{subset}/{r['id']}/{kind}", "kind": kind, "prompt": prompt, "schema": r["schema"]}
+                if references and answers:
+                    row["references"] = answers
+                rows.append(row)
     return rows
 
 
@@ -123,12 +131,13 @@ def repository_prompts() -> list[dict[str, Any]]:
 def training_prompts(data_dir: Path | str | None = None, *, per_subset: int = 40, seed: int = 0,
                      kinds: tuple[str, ...] = PROMPT_KINDS) -> list[dict[str, Any]]:
     """The training prompts: every subset but ``HELD_OUT_SUBSET``, of ``kinds`` (the same
-    schemas for a kind whichever others are asked), and with extraction the repository's
-    examples (extraction prompts: the bench's among them)."""
+    schemas for a kind whichever others are asked), with their schemas' valid instances as
+    references, and with extraction the repository's examples (extraction prompts: the bench's
+    among them)."""
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     names = [s for s in subsets(data_dir) if s != HELD_OUT_SUBSET]
     examples = repository_prompts() if "extraction" in kinds else []
-    return schema_prompts(data_dir, names, per_subset=per_subset, seed=seed, kinds=kinds) + examples
+    return schema_prompts(data_dir, names, per_subset=per_subset, seed=seed, kinds=kinds, references=True) + examples
 
 
 def generation_workload(data_dir: Path | str | None = None, *, limit: int = 20, seed: int = 0) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Training a draft head (``drafters.head``) for a target on the target's own constrained outputs.
 
-On-policy distillation, in three stages:
+Distillation of the target's own masked law, in three stages:
 
 1. The target decodes every training item (a prompt with a schema or a pattern) under its
    constraint: greedily, and sampled (``sampled`` more per item), so the head learns what the
@@ -9,6 +9,12 @@ On-policy distillation, in three stages:
    target's law), and the verify forwards hand their hidden states to a ``FeatureRecorder``:
    the features the head reads and the final hidden state come from the decode itself, with no
    second pass over the target (a 400-token prompt costs seconds at native precision here).
+   An item with ``references`` (answers the constraint accepts: a schema's valid instances) is
+   read instead of decoded (``reference_outputs``): its prompt in one forward, then each answer
+   in one forward from the prompt's cache. A decode pays a forward per step; a reference pays
+   one for all its tokens, so the same minutes give the head several times the positions. The
+   contexts are then the references' rather than the target's own, but the labels of stage 2
+   are still the target's law at each of them.
 2. At the output positions the grammar does not force (a state allowing one token needs no
    draft) the target's masked law over the draft vocabulary ``V_d`` (its logits from the final
    hidden state, renormalized on ``M ∩ V_d``); ``V_d`` is the ``draft_vocab`` tokens the
@@ -44,6 +50,8 @@ from ..drafters.head import DraftHead, HeadConfig, default_taps
 from ..errors import InvalidOptionError
 
 CHECKPOINT_FILE = "checkpoint.pt"
+#: References read per training line at most by default (JSONSchemaBench has one or two a schema).
+REFERENCES = 4
 #: Runs decoded at once in stage 1 by default: the batch engine at 16 rows decodes several times
 #: the tokens per second of one request (docs/performance.md, the batch sweep).
 DECODE_BATCH = 16
@@ -111,12 +119,14 @@ class TrainingSequence:
     allowed: torch.Tensor
     #: Per row: whether prompt lookup would propose the right token there (``lookup_covered``).
     covered: torch.Tensor | None = None
+    #: The training item it came from (sequences of one item are held out together); -1: unknown.
+    item: int = -1
 
 
 @dataclass
 class TrainProgress:
-    """Where a run is: the phase ("decode" or "train"), done of total, and in training the
-    recent loss and the held-out first-token agreement (latest and best)."""
+    """Where a run is: the phase ("decode", "references" or "train"), done of total, and in
+    training the recent loss and the held-out first-token agreement (latest and best)."""
 
     phase: str
     done: int
@@ -144,6 +154,9 @@ class TrainReport:
     #: it drafts inside "auto", which tries lookup first.
     hard_agreement: float | None = None
     losses: list[float] = field(default_factory=list)
+    #: What the data had that was not used: a line whose constraint did not compile, a reference
+    #: its constraint refused (``load_items``).
+    skipped: list[str] = field(default_factory=list)
 
 
 def _tap_layers(target: Any) -> tuple[tuple[int, ...], int]:
@@ -183,6 +196,52 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
         stage.keep(i, dec.output, recorder)
         report(n + 1)
     return stage.outputs
+
+
+@torch.no_grad()
+def reference_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstraint]],
+                      references: Sequence[Sequence[Sequence[int]]],
+                      progress: Callable[[TrainProgress], None] | None = None) -> list[DecodedOutput]:
+    """Stage 1 for items with references: the target's features along each reference (token ids
+    the item's constraint accepts) after the item's prompt, as ``decode_outputs`` records them
+    along a decoded output. The prompt is fed once per item, each reference from its cache
+    (rolled back after). References of fewer than two tokens are dropped."""
+    from ..decoding.decoder import tap_features
+    from ..models.growing_cache import growing_cache
+
+    taps, final = _tap_layers(target)
+    device = next(target.parameters()).device
+    # A batch-invariant model computes prompt rows on its prompt path (``models.invariant``):
+    # every row fed here is read at once, like a prompt's.
+    invariant = bool(getattr(target, "batch_invariant", False))
+    outputs: list[DecodedOutput] = []
+    total, done = sum(len(r) for r in references), 0
+
+    def feed(cache: Any, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        extra: dict[str, Any] = {"prompt_rows": len(tokens)} if invariant else {}
+        out = target.base_model(input_ids=torch.tensor([list(tokens)], device=device), cache=cache, use_cache=True,
+                                output_hidden_states=True, **extra)
+        return (tap_features(out.hidden_states, taps, 0, len(tokens)),
+                tap_features(out.hidden_states, (final,), 0, len(tokens)))
+
+    for i, ((prompt, constraint), answers) in enumerate(zip(items, references)):
+        answers = [list(a) for a in answers if len(a) >= 2]
+        if not answers:
+            continue
+        cache = target.new_cache() if invariant else growing_cache(target.config.num_hidden_layers)
+        prompt_features, prompt_final = feed(cache, prompt)
+        for answer in answers:
+            features, last = feed(cache, answer)
+            cache.crop(-len(answer))
+            # Position t's features, t < len(prompt) + len(answer) - 1; the final hidden state at
+            # the positions predicting the answer's tokens (the prompt's last one first).
+            outputs.append(DecodedOutput(i, prompt, answer, constraint,
+                                         torch.cat([prompt_features, features[:-1]]),
+                                         torch.cat([prompt_final[-1:], last[:-1]])))
+            done += 1
+            if progress:
+                progress(TrainProgress("references", done, total))
+    return outputs
 
 
 class _DecodeStage:
@@ -330,7 +389,7 @@ def featurize(target: Any, outputs: Sequence[DecodedOutput], draft_vocab: Sequen
         at = torch.tensor(rows) + len(o.prompt) - 1
         ids = o.prompt + o.tokens
         seqs.append(TrainingSequence(ids, len(o.prompt), o.features, at, p, allowed,
-                                     torch.tensor(lookup_covered(ids, at.tolist(), ignore), dtype=torch.bool)))
+                                     torch.tensor(lookup_covered(ids, at.tolist(), ignore), dtype=torch.bool), o.item))
     return seqs
 
 
@@ -413,28 +472,39 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
                unroll: int = 2, lr: float = 3e-4, held_out: float = 0.1, max_new_tokens: int = 128, seed: int = 0,
                name: str = "", always: Sequence[int] = (), eval_every: int | None = None, resume: bool = True,
                batch: int = 1, lookup_ignore: Sequence[int] = (), drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
+               references: Sequence[Sequence[Sequence[int]]] | None = None,
                progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
     """Train a head for ``target`` on ``items`` and save the best one to ``out_dir`` (see the
-    module docstring). Stops after ``steps`` optimizer steps or ``minutes`` of training,
-    whichever comes first (one of them is required). With ``resume``, a checkpoint in
-    ``out_dir`` from the same items and options is taken up where it stopped (the decoded
-    outputs too)."""
+    module docstring). ``references[i]``: item ``i``'s answers as token ids, read instead of
+    decoding the item (none, or an empty list: the item is decoded). Stops after ``steps``
+    optimizer steps or ``minutes`` of training, whichever comes first (one of them is
+    required). With ``resume``, a checkpoint in ``out_dir`` from the same items and options is
+    taken up where it stopped (the stage-1 outputs too). The corpus saved beside the head
+    indexes the decoded outputs only: the references are not the target's own text."""
     _check_training_options(items, steps, minutes, draft_vocab, batch)
+    references = list(references) if references is not None else [[] for _ in items]
+    if len(references) != len(items):
+        raise InvalidOptionError(f"Invalid references: expected one list per item ({len(items)}), got {len(references)}.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     vocab = vocabulary_of(tokenizer)
-    fingerprint = _fingerprint(items, dict(draft_vocab=draft_vocab, sampled=sampled, max_new_tokens=max_new_tokens,
-                                           seed=seed, unroll=unroll, held_out=held_out))
+    options: dict[str, Any] = dict(draft_vocab=draft_vocab, sampled=sampled, max_new_tokens=max_new_tokens, seed=seed,
+                                   unroll=unroll, held_out=held_out)
+    if any(references):  # a run without references resumes the checkpoints of the code before them
+        options["references"] = [[list(a) for a in r] for r in references]
+    fingerprint = _fingerprint(items, options)
     t0 = time.perf_counter()
     outputs = _saved_outputs(out, fingerprint, items) if resume else None
     if outputs is None:
-        outputs = decode_outputs(target, items, sampled=sampled, max_new_tokens=max_new_tokens, seed=seed,
-                                 batch=batch, drafter_for=drafter_for, progress=progress)
+        outputs = _first_stage(target, items, references, sampled=sampled, max_new_tokens=max_new_tokens, seed=seed,
+                               batch=batch, drafter_for=drafter_for, progress=progress)
         torch.save({"fingerprint": fingerprint,
                     "outputs": [(o.item, o.tokens, o.features, o.final) for o in outputs]}, out / OUTPUTS_FILE)
     decode_seconds = time.perf_counter() - t0
-    save_corpus(outputs, vocab, out)
+    decoded = [o for o in outputs if not references[o.item]]
+    if decoded:
+        save_corpus(decoded, vocab, out)
     vd = draft_vocabulary(outputs, draft_vocab, vocab.eos_token_id, always)
     seqs = featurize(target, outputs, vd, frozenset(lookup_ignore))
     del outputs
@@ -455,6 +525,24 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
         head.save(out)
     return TrainReport(len(seqs), len(held), run.step, time.perf_counter() - t0, len(vd), run.best, decode_seconds,
                        hard_agreement=run.hard, losses=run.losses)
+
+
+def _first_stage(target: Any, items: Sequence[tuple[list[int], CompiledConstraint]],
+                 references: Sequence[Sequence[Sequence[int]]], *, sampled: int, max_new_tokens: int, seed: int,
+                 batch: int, drafter_for: Callable[[int, Matcher], Drafter | None] | None,
+                 progress: Callable[[TrainProgress], None] | None) -> list[DecodedOutput]:
+    """Stage 1: the items with references read (``reference_outputs``), the others decoded
+    (``decode_outputs``); every output names its item's index in ``items``."""
+    read = reference_outputs(target, items, references, progress) if any(references) else []
+    rest = [i for i in range(len(items)) if not references[i]]
+    if not rest:
+        return read
+    pick = (lambda j, matcher: drafter_for(rest[j], matcher)) if drafter_for is not None else None  # noqa: E731
+    decoded = decode_outputs(target, [items[i] for i in rest], sampled=sampled, max_new_tokens=max_new_tokens,
+                             seed=seed, batch=batch, drafter_for=pick, progress=progress)
+    for o in decoded:
+        o.item = rest[o.item]
+    return read + decoded
 
 
 def _check_training_options(items: Sequence[Any], steps: int | None, minutes: float | None, draft_vocab: int,
@@ -485,12 +573,20 @@ def _saved_outputs(out: Path, fingerprint: str,
 
 
 def _split_held_out(seqs: list[Any], held_out: float, seed: int) -> tuple[list[Any], list[Any]]:
-    """(held-out, training) sequences: a seeded shuffle, ``held_out`` of them (at least one
-    when there are two or more) held out; training keeps at least one."""
-    order = list(range(len(seqs)))
-    random.Random(seed).shuffle(order)
-    n_held = max(1, int(len(seqs) * held_out)) if len(seqs) > 1 and held_out > 0 else 0
-    return [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]] or [seqs[order[0]]]
+    """(held-out, training) sequences, split by item (an item's outputs or references all on one
+    side, so the held-out agreement is on prompts never trained on): a seeded shuffle of the
+    items, ``held_out`` of them (at least one when there are two or more) held out; training
+    keeps at least one sequence."""
+    groups: dict[int, list[int]] = {}
+    for n, seq in enumerate(seqs):
+        groups.setdefault(seq.item if seq.item >= 0 else -1 - n, []).append(n)  # an unknown item: a group alone
+    keys = list(groups)
+    random.Random(seed).shuffle(keys)
+    n_held = max(1, int(len(keys) * held_out)) if len(keys) > 1 and held_out > 0 else 0
+    held = [seqs[n] for k in keys[:n_held] for n in groups[k]]
+    train = [seqs[n] for k in keys[n_held:] for n in groups[k]]
+    random.Random(seed).shuffle(train)  # an item's sequences not in a row
+    return held, train or [seqs[groups[keys[0]][0]]]
 
 
 class _TrainRun:
@@ -596,10 +692,24 @@ def agreements(head: DraftHead, sequences: Sequence[TrainingSequence]) -> tuple[
     return (agree / count if count else 0.0), (hard / hard_count if hard_count else None)
 
 
-def load_items(handle: Any, path: str | Path, *, limit: int | None = None) -> tuple[list[tuple[str, list[int], CompiledConstraint]], list[str]]:
+@dataclass
+class TrainingItem:
+    """One line of a training file: the prompt's text and ids, its compiled constraint, and its
+    references as token ids (each accepted by the constraint from its start)."""
+
+    text: str
+    prompt: list[int]
+    compiled: CompiledConstraint
+    references: list[list[int]] = field(default_factory=list)
+
+
+def load_items(handle: Any, path: str | Path, *, limit: int | None = None,
+               references: int = 0) -> tuple[list[TrainingItem], list[str]]:
     """The training items of a JSONL file (``{"prompt", "schema"}`` or ``{"prompt", "regex"}``
-    per line): (prompt text, prompt ids, compiled constraint) for each line that compiles,
-    and a message for each that does not."""
+    per line, optionally ``"references"``: answers, JSON values for a schema or strings for a
+    regex), for each line that compiles, with up to ``references`` of its answers the
+    constraint accepts (``reference_ids``); and a message for each line that does not compile
+    or answer that is refused."""
     from ..api import encode_prompt
     from ..constraint import compile_constraint
     from ..errors import ConstrainedSpecError
@@ -618,36 +728,77 @@ def load_items(handle: Any, path: str | Path, *, limit: int | None = None) -> tu
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or ("schema" in row) == ("regex" in row):
             raise InvalidOptionError(f"Invalid training data: line {n} of {str(p)!r} needs a \"prompt\" and one of "
                                      "\"schema\" or \"regex\".")
+        answers = row.get("references", [])
+        if not isinstance(answers, list):
+            raise InvalidOptionError(f"Invalid training data: line {n} of {str(p)!r} has \"references\" that is not "
+                                     "a list.")
         try:
             kind, constraint = ("json", row["schema"]) if "schema" in row else ("regex", row["regex"])
             compiled = compile_constraint(constraint, handle.tokenizer, kind=kind)
-            items.append((row["prompt"], encode_prompt(handle, row["prompt"]), compiled))
         except ConstrainedSpecError as e:
             skipped.append(f"line {n}: {e}")
+            continue
+        item = TrainingItem(row["prompt"], encode_prompt(handle, row["prompt"]), compiled)
+        for k, answer in enumerate(answers[:references] if references > 0 else []):
+            ids = reference_ids(handle.tokenizer, compiled, answer, kind)
+            if ids is None:
+                skipped.append(f"line {n}: reference {k + 1} is not accepted by its {kind} constraint")
+            else:
+                item.references.append(ids)
+        items.append(item)
         if limit is not None and len(items) >= limit:
             break
     return items, skipped
 
 
+def reference_ids(tokenizer: Any, compiled: CompiledConstraint, answer: Any, kind: str = "json") -> list[int] | None:
+    """``answer`` as token ids the constraint accepts from its start (a regex's answer: its
+    string; a schema's: its JSON text, in the first of the usual layouts the grammar allows,
+    since a grammar may fix the separators); None if no layout is accepted."""
+    if kind == "regex":
+        texts = [answer] if isinstance(answer, str) else []
+    else:
+        texts = [json.dumps(answer, ensure_ascii=False), json.dumps(answer, ensure_ascii=False, separators=(",", ":")),
+                 json.dumps(answer, ensure_ascii=False, indent=2)]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        matcher = compiled.matcher()
+        state: State | None = matcher.state
+        for tok in ids:
+            state = matcher.next_state(state, tok)  # type: ignore[arg-type]
+            if state is None:
+                break
+        if ids and state is not None:
+            return list(ids)
+    return None
+
+
 def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "", *, minutes: float | None = None,
                   steps: int | None = None, draft_vocab: int = 8192, sampled: int = 1, max_new_tokens: int = 128,
                   limit: int | None = None, seed: int = 0, unroll: int = 3, lr: float = 5e-4, resume: bool = True,
-                  batch: int = DECODE_BATCH, progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
+                  batch: int = DECODE_BATCH, references: int = REFERENCES,
+                  progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
     """Train a draft head for ``target`` (an id, a path, a handle or None for the embedded
     model) on the prompts of ``data`` (JSONL, see ``load_items``) and save it to ``out``, which
-    ``draft=out`` then loads. Stage 1 decodes with the model-free drafters ("auto" without a
-    head), ``batch`` runs at once in the batch engine: the same greedy outputs as target-only,
-    faster."""
+    ``draft=out`` then loads. A line with references has up to ``references`` of them read
+    (0: none, every line decoded); the others are decoded with the model-free drafters ("auto"
+    without a head), ``batch`` runs at once in the batch engine: the same greedy outputs as
+    target-only, faster."""
     from ..drafters.lookup import structural_tokens
     from ..models import resolve_model
 
+    if references < 0:
+        raise InvalidOptionError(f"Invalid references: expected 0 or more, got {references!r}.")
     handle = resolve_model(target)
-    items, drafter_for = _decode_items(handle, data, limit)
+    rows, drafter_for, skipped = _decode_items(handle, data, limit, references)
     structural = sorted(structural_tokens(handle.vocabulary))  # always drafted; no lookup match alone
-    return train_head(handle.model, handle.tokenizer, items, out, draft_vocab=draft_vocab, steps=steps, minutes=minutes,
-                      sampled=sampled, max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
+    report = train_head(handle.model, handle.tokenizer, [(r.prompt, r.compiled) for r in rows], out,
+                      draft_vocab=draft_vocab, steps=steps, minutes=minutes, sampled=sampled,
+                      max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
                       always=structural, resume=resume, batch=batch, lookup_ignore=structural,
-                      drafter_for=drafter_for, progress=progress)
+                      drafter_for=drafter_for, references=[r.references for r in rows], progress=progress)
+    report.skipped = skipped
+    return report
 
 
 def build_corpus(target: Any = None, data: str | Path = "", out: str | Path = "", *, max_new_tokens: int = 128,
@@ -659,8 +810,8 @@ def build_corpus(target: Any = None, data: str | Path = "", out: str | Path = ""
     from ..models import resolve_model
 
     handle = resolve_model(target)
-    items, drafter_for = _decode_items(handle, data, limit)
-    outputs = decode_outputs(handle.model, items, sampled=0, max_new_tokens=max_new_tokens, batch=batch,
+    rows, drafter_for, _ = _decode_items(handle, data, limit)
+    outputs = decode_outputs(handle.model, [(r.prompt, r.compiled) for r in rows], sampled=0, max_new_tokens=max_new_tokens, batch=batch,
                              drafter_for=drafter_for, progress=progress, features=False)
     if not outputs:
         raise InvalidOptionError("Invalid training data: no item produced an output of two tokens or more.")
@@ -668,16 +819,17 @@ def build_corpus(target: Any = None, data: str | Path = "", out: str | Path = ""
     return save_corpus(outputs, handle.vocabulary, out)
 
 
-def _decode_items(handle: Any, data: str | Path, limit: int | None) -> tuple[list[tuple[list[int], CompiledConstraint]],
-                                                                          Callable[[int, Matcher], Drafter | None]]:
-    """The usable items of ``data`` and the model-free drafter each decodes with."""
+def _decode_items(handle: Any, data: str | Path, limit: int | None,
+                  references: int = 0) -> tuple[list[TrainingItem], Callable[[int, Matcher], Drafter | None], list[str]]:
+    """The usable items of ``data`` (with up to ``references`` references each), the
+    model-free drafter each decodes with, and what was skipped (``load_items``)."""
     from ..drafters.factory import build_drafter
 
-    rows, skipped = load_items(handle, data, limit=limit)
+    rows, skipped = load_items(handle, data, limit=limit, references=references)
     if not rows:
         raise InvalidOptionError(f"Invalid training data: no usable line in {str(data)!r}"
                                  + (f" ({skipped[0]})." if skipped else "."))
-    texts = [text for text, _, _ in rows]
+    texts = [r.text for r in rows]
     drafter_for = lambda i, matcher: build_drafter("hybrid", matcher, handle.tokenizer, source_text=texts[i],  # noqa: E731
                                                    head=False)
-    return [(ids, compiled) for _, ids, compiled in rows], drafter_for
+    return rows, drafter_for, skipped
