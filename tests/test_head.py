@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from constrained_spec.constraint import TokenVocabulary, compile_constraint
 from constrained_spec.decoding import FixedK, decode
@@ -137,8 +138,6 @@ def test_the_inference_path_computes_the_training_forward(setup, monkeypatch):
     """``HeadRunner`` (fused matrices, its own cache) gives ``DraftHead.forward``'s hidden states
     and logits: a prompt of pairs (fed in two parts, the cache growing between), then one pair
     at a time, then a crop and another pair."""
-    from transformers import DynamicCache
-
     from constrained_spec.drafters import head_runner
     from constrained_spec.drafters.head_runner import HeadRunner
 
@@ -165,6 +164,40 @@ def test_the_inference_path_computes_the_training_forward(setup, monkeypatch):
     rh, rl = runner.step(g[8:9], x[8:9], 7)
     assert torch.allclose(rh, h[0, -1], atol=1e-10) and torch.allclose(rl, logits[0, -1], atol=1e-10)
     assert not torch.allclose(rl, head(g[None, 8:9], x[None, 8:9], torch.tensor([[7]]))[1][0, -1], atol=1e-6)
+
+
+def test_a_prefix_pass_is_a_full_pass_for_what_later_passes_read(setup):
+    """``DraftHead.prefix``: the last position's state and every position's keys and values as a
+    full pass gives them, so a later pass attending to its cache computes the same states, and
+    the gradients through both (of the head's weights and of the inputs) are equal."""
+    _, _, _, head = setup
+    torch.manual_seed(3)
+    d = head.config.hidden_size
+    x, pos = torch.randint(0, 7, (1, 9)), torch.arange(9)[None]
+    g = torch.randn(1, 9, d, dtype=torch.float64)
+
+    def run(prefix: bool) -> tuple[torch.Tensor, list[torch.Tensor], DynamicCache]:
+        head.zero_grad()
+        inputs = g.clone().requires_grad_(True)
+        cache = DynamicCache()
+        first = (head.prefix if prefix else lambda *a: head.hidden(*a)[:, -1:])(inputs[:, :6], x[:, :6], pos[:, :6], cache)
+        later = head.hidden(torch.cat([first, inputs[:, 6:8]], dim=1), x[:, 6:9], pos[:, 6:9], cache)
+        loss = head.logits(later).logsumexp(-1).sum() + first.square().sum()
+        loss.backward()
+        grads = [inputs.grad] + [q.grad.clone() for q in head.parameters() if q.grad is not None]
+        return later.detach(), grads, cache
+
+    later_full, grads_full, cache_full = run(prefix=False)
+    later_prefix, grads_prefix, cache_prefix = run(prefix=True)
+    head.zero_grad()
+    assert torch.allclose(later_prefix, later_full, atol=1e-12, rtol=0)
+    for a, b in ((cache_prefix.layers[0].keys, cache_full.layers[0].keys),
+                 (cache_prefix.layers[0].values, cache_full.layers[0].values)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12, rtol=0)
+    assert len(grads_prefix) == len(grads_full) > 5
+    for a, b in zip(grads_prefix, grads_full):
+        assert torch.allclose(a, b, atol=1e-10, rtol=1e-9)
+    assert grads_full[0][0, :5].abs().sum() > 0  # the prompt's inputs do get gradients (through their keys)
 
 
 def test_save_load_and_a_head_for_another_tokenizer_is_refused(setup, tmp_path):

@@ -35,7 +35,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding,
+                                                      apply_rotary_pos_emb)
 
 from ..constraint import Matcher, State
 from ..errors import InvalidOptionError, ModelLoadError, TokenizerMismatchError
@@ -144,7 +145,28 @@ class DraftHead(nn.Module):
     def hidden(self, g: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                cache: DynamicCache | None = None) -> torch.Tensor:
         """The decoder layer's output ``[B, T, d]`` (``forward`` without the projection)."""
+        return self._layer(self.proj(torch.cat([g, self.embed(next_tokens)], dim=-1)), positions, cache)
+
+    def prefix(self, g: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+               cache: DynamicCache) -> torch.Tensor:
+        """``hidden(...)[:, -1:]`` with the same keys and values appended to ``cache``, computing
+        only those keys and values at the positions before the last: a training sequence's
+        prompt, which the later positions attend to and nothing else reads, runs without the
+        layer's queries, attention and MLP there (most of its cost)."""
         u = self.proj(torch.cat([g, self.embed(next_tokens)], dim=-1))
+        if u.shape[1] > 1:
+            attn = self.layer.self_attn
+            x = self.layer.input_layernorm(u[:, :-1])
+            shape = (*x.shape[:-1], -1, attn.head_dim)
+            keys = attn.k_proj(x).view(shape).transpose(1, 2)
+            values = attn.v_proj(x).view(shape).transpose(1, 2)
+            cos, sin = self.rotary(x, positions[:, :-1])
+            _, keys = apply_rotary_pos_emb(keys, keys, cos, sin)  # the layer's own rotation of its keys
+            cache.update(keys, values, 0)
+        return self._layer(u[:, -1:], positions[:, -1:], cache)
+
+    def _layer(self, u: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None) -> torch.Tensor:
+        """The decoder layer over the projected inputs ``u`` ``[B, T, d]``."""
         t = u.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         mask = None

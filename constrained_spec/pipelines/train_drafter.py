@@ -417,13 +417,15 @@ def _losses(head: DraftHead, seq: TrainingSequence, unroll: int) -> tuple[torch.
     # the later passes attend to their keys: at inference a draft attends to the accepted
     # positions' target features, never to the head's own states there. Closer to inference
     # than rolling the whole sequence on its own states, and the later passes cost only the
-    # output's pairs (about a quarter of a training sequence here).
+    # output's pairs (about a quarter of a training sequence here). The first pass computes
+    # only the keys and values before its last pair (``DraftHead.prefix``): nothing else reads
+    # the head's states there.
     a = int(r.min()) if r.numel() else 0
     first = g[:, :1]  # a pass's input at its first pair: the state before it
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None
     if a > 0:
         cache = DynamicCache()
-        first = head.hidden(g[:, :a], nxt[:, :a], pos[:, :a], cache)[:, -1:]
+        first = head.prefix(g[:, :a], nxt[:, :a], pos[:, :a], cache)
         prefix = (cache.layers[0].keys, cache.layers[0].values)
         g, nxt, pos, r = g[:, a:], nxt[:, a:], pos[:, a:], r - a
     total = torch.zeros((), dtype=head.fc.weight.dtype)
