@@ -96,3 +96,54 @@ def test_the_held_out_sequences_come_from_items_never_trained_on():
         held, train = _split_held_out(seqs, 0.3, seed=s)
         assert {x.item for x in held}.isdisjoint({x.item for x in train})
         assert len(held) + len(train) == len(seqs) and len({x.item for x in held}) == 1
+
+
+def test_a_time_budget_stops_stage_one_and_takes_a_sample_of_the_file(setup, monkeypatch):
+    """With a deadline, no item starts after it (the one started finishes) and the items go in
+    a seeded random order; without one, every item is read in the file's order."""
+    import random
+    import time
+
+    from constrained_spec.pipelines.train_drafter import _first_stage
+
+    _, compiled, target = setup
+    items = [([6, 1, 2, k], compiled) for k in range(1, 7)]
+    references = [[[1, 2], [3, 4]] for _ in items]
+    options = dict(sampled=0, max_new_tokens=8, seed=5, batch=1, drafter_for=None, progress=None)
+    everything = _first_stage(target, items, references, **options)
+    assert [o.item for o in everything] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    forward = target.model.forward
+
+    def slow(*args, **kwargs):  # every forward 0.2 s: an item (prompt and two answers) 0.6 s
+        time.sleep(0.2)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target.model, "forward", slow)
+    cut = _first_stage(target, items, references, deadline=time.perf_counter() + 0.3, **options)
+    order = list(range(len(items)))
+    random.Random(5).shuffle(order)
+    assert [o.item for o in cut] == [order[0]] * 2 and order[0] != 0
+    assert _first_stage(target, items, references, deadline=time.perf_counter(), **options) == []
+
+
+def test_minutes_bound_the_whole_run_stage_one_included(setup, monkeypatch, tmp_path):
+    """A 3 s budget over data that takes 7 s to read: stage one stops at about half of it, the
+    training takes the rest, and the run ends within the budget (plus the item in flight and
+    one evaluation), with steps taken."""
+    import time
+
+    vocab, compiled, target = setup
+    items = [([6, 1, 2, k % 6 + 1], compiled) for k in range(12)]
+    references = [[[1, 2], [3, 4]] for _ in items]
+    forward = target.model.forward
+
+    def slow(*args, **kwargs):  # every forward 0.2 s: reading everything would take 12 * 0.6 s
+        time.sleep(0.2)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target.model, "forward", slow)
+    report = train_head(target, vocab, items, tmp_path / "head", minutes=0.05, held_out=0.0, draft_vocab=4,
+                        references=references)
+    saved = torch.load(tmp_path / "head" / "outputs.pt", weights_only=False)["outputs"]
+    assert 2 <= len(saved) <= 8  # one to four items of twelve read
+    assert report.steps > 0 and report.seconds < 6.0

@@ -46,7 +46,7 @@ def train_drafter_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="Directory for the head (load it with draft=DIR / --draft DIR); checkpoints go there too. Default for a GGUF --target: the cache, where draft=True and auto find it for that file."),
     target: Optional[str] = typer.Option(None, "--target", help="Target model id or path; default: the embedded SmolLM2-135M-Instruct."),
     precision: Optional[str] = typer.Option(None, "--precision", help="The target's precision (as in json; default: native for the embedded model)."),
-    minutes: Optional[float] = typer.Option(None, "--minutes", help="Stop training after this many minutes (the best head is kept)."),
+    minutes: Optional[float] = typer.Option(None, "--minutes", help="The run's budget once the model is loaded: about half reads or decodes the data (its lines in a seeded random order), the rest trains; the best head is kept."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Stop after this many optimizer steps."),
     draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Tokens the head can propose (the most used in the target's outputs, plus JSON punctuation)."),
     sampled: int = typer.Option(1, "--sampled", help="Sampled outputs per prompt, besides the greedy one."),

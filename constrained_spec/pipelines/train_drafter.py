@@ -52,6 +52,9 @@ from ..errors import InvalidOptionError
 CHECKPOINT_FILE = "checkpoint.pt"
 #: References read per training line at most by default (JSONSchemaBench has one or two a schema).
 REFERENCES = 4
+#: The share of a time budget that reads and decodes the data; training takes the rest. More
+#: data raised a head's agreement far more than more steps did (docs/training.md).
+STAGE_ONE_SHARE = 0.5
 #: Runs decoded at once in stage 1 by default: the batch engine at 16 rows decodes several times
 #: the tokens per second of one request (docs/performance.md, the batch sweep).
 DECODE_BATCH = 16
@@ -168,14 +171,16 @@ def _tap_layers(target: Any) -> tuple[tuple[int, ...], int]:
 def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstraint]], *, sampled: int = 1,
                    temperature: float = 0.8, max_new_tokens: int = 128, seed: int = 0, batch: int = 1,
                    drafter_for: Callable[[int, Matcher], Drafter | None] | None = None,
-                   progress: Callable[[TrainProgress], None] | None = None, features: bool = True) -> list[DecodedOutput]:
+                   progress: Callable[[TrainProgress], None] | None = None, features: bool = True,
+                   deadline: float | None = None) -> list[DecodedOutput]:
     """Stage 1: each item decoded by the target under its constraint, greedily and ``sampled``
     more times, recording the target's features on the way. ``drafter_for(i, matcher)``: the
     model-free drafter item ``i`` decodes with (None: target-only); it changes the speed, never
     the law. ``batch`` > 1 decodes that many runs at once in the batch engine (the same greedy
     outputs: its rows equal single requests; sampled ones are draws of the same law). Outputs
     of fewer than two tokens are dropped. ``features=False`` records no features (the outputs'
-    ``features`` and ``final`` are then empty): for a corpus, which needs only the tokens."""
+    ``features`` and ``final`` are then empty): for a corpus, which needs only the tokens.
+    ``deadline`` (a ``time.perf_counter()`` value): no run starts after it (those started finish)."""
     runs = [(i, temp, run_seed) for i in range(len(items))
             for temp, run_seed in [(0.0, None)] + [(temperature, seed * 1000 + i * 10 + j) for j in range(sampled)]]
     stage = _DecodeStage(target, items, drafter_for, features)
@@ -185,9 +190,12 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
             progress(TrainProgress("decode", done, len(runs)))
 
     if batch > 1:
-        _decode_batched(target, stage, runs, batch=batch, max_new_tokens=max_new_tokens, report=report)
+        _decode_batched(target, stage, runs, batch=batch, max_new_tokens=max_new_tokens, report=report,
+                        deadline=deadline)
         return stage.outputs
     for n, (i, temp, run_seed) in enumerate(runs):
+        if _past(deadline):
+            break
         matcher, recorder, drafter, k_policy = stage.start(i, run_seed)
         dec = SpeculativeDecoder(target, matcher, items[i][0], drafter=drafter, k_policy=k_policy, temperature=temp,
                                  seed=run_seed, max_new_tokens=max_new_tokens)
@@ -201,11 +209,13 @@ def decode_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstra
 @torch.no_grad()
 def reference_outputs(target: Any, items: Sequence[tuple[list[int], CompiledConstraint]],
                       references: Sequence[Sequence[Sequence[int]]],
-                      progress: Callable[[TrainProgress], None] | None = None) -> list[DecodedOutput]:
+                      progress: Callable[[TrainProgress], None] | None = None,
+                      deadline: float | None = None) -> list[DecodedOutput]:
     """Stage 1 for items with references: the target's features along each reference (token ids
     the item's constraint accepts) after the item's prompt, as ``decode_outputs`` records them
     along a decoded output. The prompt is fed once per item, each reference from its cache
-    (rolled back after). References of fewer than two tokens are dropped."""
+    (rolled back after). References of fewer than two tokens are dropped; no item starts after
+    ``deadline`` (a ``time.perf_counter()`` value)."""
     from ..decoding.decoder import tap_features
     from ..models.growing_cache import growing_cache
 
@@ -228,6 +238,8 @@ def reference_outputs(target: Any, items: Sequence[tuple[list[int], CompiledCons
         answers = [list(a) for a in answers if len(a) >= 2]
         if not answers:
             continue
+        if _past(deadline):
+            break
         cache = target.new_cache() if invariant else growing_cache(target.config.num_hidden_layers)
         prompt_features, prompt_final = feed(cache, prompt)
         for answer in answers:
@@ -242,6 +254,10 @@ def reference_outputs(target: Any, items: Sequence[tuple[list[int], CompiledCons
             if progress:
                 progress(TrainProgress("references", done, total))
     return outputs
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() >= deadline
 
 
 class _DecodeStage:
@@ -285,17 +301,25 @@ class _DecodeStage:
 
 
 def _decode_batched(target: Any, stage: _DecodeStage, runs: list[tuple[int, float, int | None]], *, batch: int,
-                    max_new_tokens: int, report: Callable[[int], None]) -> None:
-    """Every run in the batch engine, ``batch`` at once; outputs kept in the runs' order."""
+                    max_new_tokens: int, report: Callable[[int], None], deadline: float | None = None) -> None:
+    """The runs in the batch engine, ``batch`` at once (the next submitted as one finishes, none
+    after ``deadline``); outputs kept in the runs' order."""
     from ..batching.engine import BatchEngine
 
     engine = BatchEngine(target, max_batch=batch, prefix_cache=False)
     submitted = {}  # request id -> (its run's index, its recorder)
-    for n, (i, temp, run_seed) in enumerate(runs):
-        matcher, recorder, drafter, k_policy = stage.start(i, run_seed)
-        req = engine.submit(stage.items[i][0], matcher, drafter=drafter, k_policy=k_policy, temperature=temp,
-                            seed=run_seed, max_new_tokens=max_new_tokens)
-        submitted[req.id] = (n, recorder)
+    queue = iter(enumerate(runs))
+
+    def submit_next() -> None:
+        for n, (i, temp, run_seed) in queue:
+            matcher, recorder, drafter, k_policy = stage.start(i, run_seed)
+            req = engine.submit(stage.items[i][0], matcher, drafter=drafter, k_policy=k_policy, temperature=temp,
+                                seed=run_seed, max_new_tokens=max_new_tokens)
+            submitted[req.id] = (n, recorder)
+            return
+
+    for _ in range(batch):
+        submit_next()
     finished: list[tuple[int, list[int], FeatureRecorder]] = []
     for req in engine.run():
         if req.error is not None:
@@ -303,6 +327,8 @@ def _decode_batched(target: Any, stage: _DecodeStage, runs: list[tuple[int, floa
         n, recorder = submitted[req.id]
         finished.append((n, req.result.tokens, recorder))
         report(len(finished))
+        if not _past(deadline):
+            submit_next()
     for n, tokens, recorder in sorted(finished, key=lambda f: f[0]):  # the runs' order, not the finishing one
         stage.keep(runs[n][0], tokens, recorder)
 
@@ -478,9 +504,10 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
                progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
     """Train a head for ``target`` on ``items`` and save the best one to ``out_dir`` (see the
     module docstring). ``references[i]``: item ``i``'s answers as token ids, read instead of
-    decoding the item (none, or an empty list: the item is decoded). Stops after ``steps``
-    optimizer steps or ``minutes`` of training, whichever comes first (one of them is
-    required). With ``resume``, a checkpoint in ``out_dir`` from the same items and options is
+    decoding the item (none, or an empty list: the item is decoded). ``minutes`` is the whole
+    run's budget: stage 1 starts no item after ``STAGE_ONE_SHARE`` of it and training takes what
+    is left; training also stops after ``steps`` optimizer steps (one of the two is required;
+    with steps alone, every item is read or decoded). With ``resume``, a checkpoint in ``out_dir`` from the same items and options is
     taken up where it stopped (the stage-1 outputs too). The corpus saved beside the head
     indexes the decoded outputs only: the references are not the target's own text."""
     _check_training_options(items, steps, minutes, draft_vocab, batch)
@@ -499,8 +526,9 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
     t0 = time.perf_counter()
     outputs = _saved_outputs(out, fingerprint, items) if resume else None
     if outputs is None:
+        deadline = t0 + 60 * minutes * STAGE_ONE_SHARE if minutes is not None else None
         outputs = _first_stage(target, items, references, sampled=sampled, max_new_tokens=max_new_tokens, seed=seed,
-                               batch=batch, drafter_for=drafter_for, progress=progress)
+                               batch=batch, drafter_for=drafter_for, progress=progress, deadline=deadline)
         torch.save({"fingerprint": fingerprint,
                     "outputs": [(o.item, o.tokens, o.features, o.final) for o in outputs]}, out / OUTPUTS_FILE)
     decode_seconds = time.perf_counter() - t0
@@ -512,6 +540,8 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
     del outputs
     if not seqs:
         raise InvalidOptionError("Invalid training data: no item produced an output the grammar does not force.")
+    if minutes is not None:  # what stage one left, and never less than a tenth of the budget
+        minutes = max(minutes - (time.perf_counter() - t0) / 60, minutes * (1 - STAGE_ONE_SHARE) / 5)
     config = HeadConfig.for_target(target, vocab.fingerprint, vd, name=name)
     head = DraftHead(config, target.get_input_embeddings()).float().train()
     _init_lm_head(head, target)
@@ -532,16 +562,26 @@ def train_head(target: Any, tokenizer: Any, items: Sequence[tuple[list[int], Com
 def _first_stage(target: Any, items: Sequence[tuple[list[int], CompiledConstraint]],
                  references: Sequence[Sequence[Sequence[int]]], *, sampled: int, max_new_tokens: int, seed: int,
                  batch: int, drafter_for: Callable[[int, Matcher], Drafter | None] | None,
-                 progress: Callable[[TrainProgress], None] | None) -> list[DecodedOutput]:
-    """Stage 1: the items with references read (``reference_outputs``), the others decoded
-    (``decode_outputs``); every output names its item's index in ``items``."""
-    read = reference_outputs(target, items, references, progress) if any(references) else []
-    rest = [i for i in range(len(items)) if not references[i]]
-    if not rest:
+                 progress: Callable[[TrainProgress], None] | None,
+                 deadline: float | None = None) -> list[DecodedOutput]:
+    """Stage 1: the items with references read (``reference_outputs``), then the others decoded
+    (``decode_outputs``), none started after ``deadline``; every output names its item's index
+    in ``items``. With a deadline the items go in a seeded random order, so a cut keeps a sample
+    of the whole file (a data file is often grouped by source), not its first lines."""
+    order = list(range(len(items)))
+    if deadline is not None:
+        random.Random(seed).shuffle(order)
+    with_references = [i for i in order if references[i]]
+    read = reference_outputs(target, [items[i] for i in with_references], [references[i] for i in with_references],
+                             progress, deadline) if with_references else []
+    for o in read:
+        o.item = with_references[o.item]
+    rest = [i for i in order if not references[i]]
+    if not rest or _past(deadline):
         return read
     pick = (lambda j, matcher: drafter_for(rest[j], matcher)) if drafter_for is not None else None  # noqa: E731
     decoded = decode_outputs(target, [items[i] for i in rest], sampled=sampled, max_new_tokens=max_new_tokens,
-                             seed=seed, batch=batch, drafter_for=pick, progress=progress)
+                             seed=seed, batch=batch, drafter_for=pick, progress=progress, deadline=deadline)
     for o in decoded:
         o.item = rest[o.item]
     return read + decoded
@@ -782,10 +822,10 @@ def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "
                   progress: Callable[[TrainProgress], None] | None = None) -> TrainReport:
     """Train a draft head for ``target`` (an id, a path, a handle or None for the embedded
     model) on the prompts of ``data`` (JSONL, see ``load_items``) and save it to ``out``, which
-    ``draft=out`` then loads. A line with references has up to ``references`` of them read
-    (0: none, every line decoded); the others are decoded with the model-free drafters ("auto"
-    without a head), ``batch`` runs at once in the batch engine: the same greedy outputs as
-    target-only, faster."""
+    ``draft=out`` then loads, within ``minutes`` (see ``train_head``). A line with references
+    has up to ``references`` of them read (0: none, every line decoded); the others are
+    decoded with the model-free drafters ("auto" without a head), ``batch`` runs at once in the
+    batch engine: the same greedy outputs as target-only, faster."""
     from ..drafters.lookup import structural_tokens
     from ..models import resolve_model
 
