@@ -225,6 +225,7 @@ def reference_outputs(target: Any, items: Sequence[tuple[list[int], CompiledCons
     # every row fed here is read at once, like a prompt's.
     invariant = bool(getattr(target, "batch_invariant", False))
     outputs: list[DecodedOutput] = []
+    references = [[list(a) for a in answers if len(a) >= 2] for answers in references]
     total, done = sum(len(r) for r in references), 0
 
     def feed(cache: Any, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,7 +236,6 @@ def reference_outputs(target: Any, items: Sequence[tuple[list[int], CompiledCons
                 tap_features(out.hidden_states, (final,), 0, len(tokens)))
 
     for i, ((prompt, constraint), answers) in enumerate(zip(items, references)):
-        answers = [list(a) for a in answers if len(a) >= 2]
         if not answers:
             continue
         if _past(deadline):
@@ -311,12 +311,13 @@ def _decode_batched(target: Any, stage: _DecodeStage, runs: list[tuple[int, floa
     queue = iter(enumerate(runs))
 
     def submit_next() -> None:
-        for n, (i, temp, run_seed) in queue:
-            matcher, recorder, drafter, k_policy = stage.start(i, run_seed)
-            req = engine.submit(stage.items[i][0], matcher, drafter=drafter, k_policy=k_policy, temperature=temp,
-                                seed=run_seed, max_new_tokens=max_new_tokens)
-            submitted[req.id] = (n, recorder)
+        if (run := next(queue, None)) is None:
             return
+        n, (i, temp, run_seed) = run
+        matcher, recorder, drafter, k_policy = stage.start(i, run_seed)
+        req = engine.submit(stage.items[i][0], matcher, drafter=drafter, k_policy=k_policy, temperature=temp,
+                            seed=run_seed, max_new_tokens=max_new_tokens)
+        submitted[req.id] = (n, recorder)
 
     for _ in range(batch):
         submit_next()
@@ -802,16 +803,11 @@ def reference_ids(tokenizer: Any, compiled: CompiledConstraint, answer: Any, kin
     else:
         texts = [json.dumps(answer, ensure_ascii=False), json.dumps(answer, ensure_ascii=False, separators=(",", ":")),
                  json.dumps(answer, ensure_ascii=False, indent=2)]
+    matcher = compiled.matcher()
     for text in texts:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        matcher = compiled.matcher()
-        state: State | None = matcher.state
-        for tok in ids:
-            state = matcher.next_state(state, tok)  # type: ignore[arg-type]
-            if state is None:
-                break
-        if ids and state is not None:
-            return list(ids)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        if ids and len(matcher.walk(matcher.state, ids)) == len(ids) + 1:  # no token cut
+            return ids
     return None
 
 
@@ -835,10 +831,10 @@ def train_drafter(target: Any = None, data: str | Path = "", out: str | Path = "
     rows, drafter_for, skipped = _decode_items(handle, data, limit, references)
     structural = sorted(structural_tokens(handle.vocabulary))  # always drafted; no lookup match alone
     report = train_head(handle.model, handle.tokenizer, [(r.prompt, r.compiled) for r in rows], out,
-                      draft_vocab=draft_vocab, steps=steps, minutes=minutes, sampled=sampled,
-                      max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
-                      always=structural, resume=resume, batch=batch, lookup_ignore=structural,
-                      drafter_for=drafter_for, references=[r.references for r in rows], progress=progress)
+                        draft_vocab=draft_vocab, steps=steps, minutes=minutes, sampled=sampled,
+                        max_new_tokens=max_new_tokens, seed=seed, name=handle.name, unroll=unroll, lr=lr,
+                        always=structural, resume=resume, batch=batch, lookup_ignore=structural,
+                        drafter_for=drafter_for, references=[r.references for r in rows], progress=progress)
     report.skipped = skipped
     return report
 
@@ -853,8 +849,9 @@ def build_corpus(target: Any = None, data: str | Path = "", out: str | Path = ""
 
     handle = resolve_model(target)
     rows, drafter_for, _ = _decode_items(handle, data, limit)
-    outputs = decode_outputs(handle.model, [(r.prompt, r.compiled) for r in rows], sampled=0, max_new_tokens=max_new_tokens, batch=batch,
-                             drafter_for=drafter_for, progress=progress, features=False)
+    outputs = decode_outputs(handle.model, [(r.prompt, r.compiled) for r in rows], sampled=0,
+                             max_new_tokens=max_new_tokens, batch=batch, drafter_for=drafter_for, progress=progress,
+                             features=False)
     if not outputs:
         raise InvalidOptionError("Invalid training data: no item produced an output of two tokens or more.")
     Path(out).mkdir(parents=True, exist_ok=True)
